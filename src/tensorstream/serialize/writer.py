@@ -1,0 +1,524 @@
+"""TensorSerializer: write tensors in tensorizer's ``.tensors`` format, byte-compatible.
+
+The whole layout (offsets, header sizes, version) is decided before any data is
+hashed, so records can be hashed in parallel and written in order to any sink: a
+local file (``pwrite`` from worker threads) or a streaming S3 multipart upload. The
+file header and index are written as placeholders first and patched at ``close()``;
+the target appears only when the sink commits, so a failed or interrupted write
+leaves nothing that looks valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import threading
+import zlib
+from collections import deque
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import IO, Any
+
+import torch
+
+from tensorstream.errors import ConfigError, MetadataOverflowError, SerializationError
+from tensorstream.formats.tensorizer import (
+    FLAG_ENCRYPTED,
+    FLAG_VERSIONED_HEADERS,
+    HASH_CRC32,
+    HASH_SHA256,
+    INDEX_OFFSET,
+    STOCK_METADATA_SIZE,
+    VERSION_ENCRYPTED,
+    VERSION_LONG,
+    VERSION_META,
+    VERSION_OPAQUE,
+    FileHeader,
+    IndexEntry,
+    pack_file_header,
+    pack_metadata,
+    pack_tensor_header,
+)
+from tensorstream.serialize.layout import RecordLayout, hash_types_for, place_record
+from tensorstream.serialize.tensors import (
+    PendingTensor,
+    dtype_code,
+    flatten_state_dict,
+    host_bytes,
+    module_tensors,
+    shape_of,
+)
+from tensorstream.sources.base import Sink, StorageOptions
+from tensorstream.sources.registry import open_sink
+from tensorstream.utils.progress import ByteProgress
+
+__all__ = ["TensorSerializer"]
+
+#: Copies made for writing (GPU -> host, non-contiguous, encryption) stay under this.
+_INFLIGHT_COPY_BYTES = 256 << 20
+_SPLIT_HASH_BYTES = 1 << 20
+
+
+@dataclass
+class _Record:
+    pending: PendingTensor
+    dtype: str
+    shape: tuple[int, ...]
+    long_shape: bool
+    is_meta: bool
+    encrypted: bool
+    layout: RecordLayout
+    crypt_info_len: int | None
+
+
+class _FileObjectSink(Sink):
+    """A caller's seekable binary file object; committing only flushes it."""
+
+    def __init__(self, fileobj: IO[bytes]) -> None:
+        self._f = fileobj
+        self._start = fileobj.tell()
+        self._pos = 0
+        self.display_uri = getattr(fileobj, "name", "<file object>")
+
+    @property
+    def position(self) -> int:
+        return self._pos
+
+    def write(self, data: memoryview | bytes) -> None:
+        self._f.seek(self._start + self._pos)
+        self._f.write(data)
+        self._pos += len(memoryview(data).cast("B"))
+
+    def patch(self, offset: int, data: bytes) -> None:
+        self._f.seek(self._start + offset)
+        self._f.write(data)
+        self._f.seek(self._start + self._pos)
+
+    def commit(self) -> None:
+        self._f.flush()
+
+    def abort(self) -> None:
+        self._f.flush()
+
+
+class TensorSerializer:
+    """Write tensors, modules or nested state dicts to a ``.tensors`` file.
+
+    Args:
+        target: path, ``file://``, ``s3://bucket/key`` URI, a ``Sink``, or a seekable
+            binary file object.
+        encryption: ``EncryptionParams`` to encrypt tensor data (tensorizer-compatible).
+        limit_cpu_concurrency: cap on hashing/encryption threads (default: CPU count).
+        storage: credentials and endpoints for remote targets.
+        align: byte alignment of tensor data. The default (64) lets loaders map the
+            file without copying; tensorizer reads it unchanged. ``1`` reproduces
+            tensorizer's output byte for byte.
+        progress: show a progress bar with bytes and GB/s.
+
+    Example:
+        >>> with TensorSerializer("model.tensors") as s:    # doctest: +SKIP
+        ...     s.write_module(model)
+    """
+
+    def __init__(
+        self,
+        target: str | os.PathLike[str] | Sink | IO[bytes],
+        *,
+        encryption: Any = None,
+        limit_cpu_concurrency: int | None = None,
+        storage: StorageOptions | None = None,
+        align: int = 64,
+        progress: bool = False,
+    ) -> None:
+        if align < 1 or align & (align - 1):
+            raise ConfigError(f"align must be a power of two >= 1, got {align}")
+        if limit_cpu_concurrency is not None and limit_cpu_concurrency < 1:
+            raise ConfigError(f"limit_cpu_concurrency must be >= 1, got {limit_cpu_concurrency}")
+        if isinstance(target, Sink):
+            self._sink = target
+        elif isinstance(target, (str, os.PathLike)):
+            self._sink = open_sink(target, storage)
+        elif hasattr(target, "write") and hasattr(target, "seek"):
+            self._sink = _FileObjectSink(target)
+        else:
+            raise ConfigError(f"cannot write to {type(target).__name__}; give a path or URI")
+        self._encryptor = _make_encryptor(encryption)
+        self._align = align
+        self._workers = limit_cpu_concurrency or os.cpu_count() or 1
+        self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="tensorstream-hash")
+        self._entries: list[IndexEntry] = []
+        self._metadata_size: int | None = None
+        self._position = 0
+        self._version = VERSION_ENCRYPTED if self._encryptor else 1
+        self._versioned = False
+        self._tensor_size = 0
+        self._closed = False
+        self._progress = progress
+        self._names: set[bytes] = set()
+
+    # ------------------------------------------------------------ public API
+
+    @property
+    def total_tensor_bytes(self) -> int:
+        """Bytes of tensor data written so far."""
+        return self._tensor_size
+
+    def write_tensor(
+        self,
+        idx: int,
+        name: str | Sequence[str | int],
+        tensor_type: int,
+        tensor: torch.Tensor,
+    ) -> None:
+        """Write one tensor; synchronous (the tensor may be changed once this returns)."""
+        from tensorstream.formats.tensorizer import encode_name
+
+        raw = encode_name(name)
+        self._write_all([PendingTensor(idx, int(tensor_type), raw, tensor)])
+
+    def write_module(
+        self,
+        module: torch.nn.Module,
+        remove_tensors: bool = False,
+        *,
+        include_non_persistent_buffers: bool = True,
+    ) -> None:
+        """Write every parameter and buffer of ``module`` (for ``load_into_module``)."""
+        items = list(module_tensors(module, include_non_persistent_buffers))
+        self._write_all([p for p, _, _ in items])
+        if remove_tensors:
+            for _, owner, attr in items:
+                setattr(owner, attr, None)
+
+    def write_state_dict(self, state_dict: Any) -> None:
+        """Write a dict (or nested dicts/lists) of tensors; nested keys become paths."""
+        self._write_all(list(flatten_state_dict(state_dict)))
+
+    def close(self) -> None:
+        """Finish the file: write the index and header, then commit it atomically."""
+        if self._closed:
+            return
+        try:
+            self._ensure_prefix(0)
+            self._sink.write(struct.pack("<Q", 0))
+            self._sink.patch(0, self._prefix_bytes())
+            self._sink.commit()
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self._closed = True
+            self._pool.shutdown(wait=True)
+
+    def abort(self) -> None:
+        """Discard the file being written; nothing appears at the target."""
+        if not self._closed:
+            self._closed = True
+            self._sink.abort()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> TensorSerializer:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.abort()
+
+    def __repr__(self) -> str:
+        return f"TensorSerializer({self._sink.display_uri!r}, tensors={len(self._entries)})"
+
+    # ------------------------------------------------------------ layout
+
+    def _write_all(self, pending: list[PendingTensor]) -> None:
+        if self._closed:
+            raise SerializationError("this TensorSerializer is closed; open a new one")
+        try:
+            records = self._plan(pending)
+            self._stream(records)
+        except BaseException:
+            self.abort()
+            raise
+
+    def _plan(self, pending: list[PendingTensor]) -> list[_Record]:
+        described = []
+        for p in pending:
+            if p.raw_name in self._names:
+                raise SerializationError(f"tensor {p.display_name!r} is written twice")
+            self._names.add(p.raw_name)
+            shape = shape_of(p.tensor)
+            long_shape = any(d >= 1 << 32 for d in shape)
+            described.append((p, dtype_code(p.tensor, p.display_name), shape, long_shape))
+        versioned = self._versioned or any(d[3] for d in described)
+        needed = _metadata_bytes(self._entries, described, versioned)
+        self._ensure_prefix(needed)
+        assert self._metadata_size is not None
+        if needed > self._metadata_size:
+            raise MetadataOverflowError(
+                f"the tensor index needs {needed} bytes but {self._metadata_size} were "
+                f"reserved when the first tensor was written ({len(self._entries)} tensors "
+                "so far). Write all tensors in one write_state_dict() or write_module() "
+                "call so the index can be sized to fit"
+            )
+        records = []
+        position = self._position
+        for p, dtype, shape, long_shape in described:
+            is_meta = p.tensor.is_meta
+            nbytes = 0 if is_meta else p.tensor.numel() * p.tensor.element_size()
+            encrypted = self._encryptor is not None and not is_meta
+            hash_types = hash_types_for(encrypted and nbytes > 0)
+            crypt_len = None
+            if self._encryptor is not None:
+                crypt_len = self._encryptor.crypt_info_len(nbytes if encrypted else None)
+            layout = place_record(
+                position, p.raw_name, dtype, shape, nbytes, hash_types, crypt_len,
+                long_shape, self._align,
+            )
+            position = layout.end
+            records.append(
+                _Record(p, dtype, shape, long_shape, is_meta, encrypted, layout, crypt_len)
+            )
+            self._entries.append(
+                IndexEntry(
+                    p.raw_name, p.tensor_type, dtype, shape, layout.header_offset,
+                    layout.data_offset, nbytes, long_shape,
+                )
+            )
+            self._tensor_size += nbytes
+            if "\0" in dtype:
+                self._version = max(self._version, VERSION_OPAQUE)
+            if is_meta:
+                self._version = max(self._version, VERSION_META)
+            if long_shape:
+                self._version = VERSION_LONG
+        self._versioned = versioned
+        self._position = position
+        return records
+
+    def _ensure_prefix(self, needed: int) -> None:
+        """Reserve the header + index space at the first write (stock size or more)."""
+        if self._metadata_size is not None:
+            return
+        self._metadata_size = max(STOCK_METADATA_SIZE, needed)
+        prefix = INDEX_OFFSET + self._metadata_size
+        window = self._sink.patch_window
+        if window is not None and prefix > window:
+            raise SerializationError(
+                f"the tensor index ({self._metadata_size} bytes) does not fit the "
+                f"{window}-byte window {self._sink.display_uri} can rewrite at close"
+            )
+        self._sink.write(bytes(prefix))
+        self._position = prefix
+
+    def _prefix_bytes(self) -> bytes:
+        flags = 0
+        if self._encryptor is not None:
+            flags |= FLAG_ENCRYPTED
+        if self._versioned:
+            flags |= FLAG_VERSIONED_HEADERS
+        assert self._metadata_size is not None
+        header = FileHeader(
+            self._version, flags, self._tensor_size, len(self._entries), self._metadata_size
+        )
+        metadata = pack_metadata(self._entries, self._versioned)
+        return pack_file_header(header) + metadata.ljust(self._metadata_size, b"\0")
+
+    # ------------------------------------------------------------ data path
+
+    def _stream(self, records: list[_Record]) -> None:
+        """Hash (and encrypt) records on the pool; write them in file order."""
+        pwrite = getattr(self._sink, "pwrite", None)
+        progress = ByteProgress(
+            sum(r.layout.data_length for r in records), "serialize", enabled=self._progress
+        )
+        window: deque[tuple[_Record, Future[tuple[bytes, memoryview]], list[Future[Any]]]]
+        window = deque()
+        inflight_copy = 0
+        lock = threading.Lock()
+
+        def finish_oldest() -> None:
+            nonlocal inflight_copy
+            record, encoded, writes = window.popleft()
+            header, payload = encoded.result()
+            if pwrite is not None:
+                pwrite(record.layout.header_offset, header)
+                for w in writes:
+                    w.result()
+            else:
+                if self._sink.position != record.layout.header_offset:
+                    raise SerializationError(
+                        f"internal layout error at tensor {record.pending.display_name!r}"
+                    )
+                self._sink.write(header)
+                self._sink.write(payload)
+            with lock:
+                inflight_copy -= _copy_cost(record)
+            progress.update(record.layout.data_length)
+
+        try:
+            for record in records:
+                # the view keeps its host tensor alive until the record is written
+                data = _host_view(record)
+                encoded = self._submit_encode(record, data)
+                writes: list[Future[Any]] = []
+                if pwrite is not None and record.layout.data_length and not record.encrypted:
+                    writes.append(
+                        self._pool.submit(pwrite, record.layout.data_offset, data)
+                    )
+                elif pwrite is not None and record.encrypted:
+                    writes.append(
+                        self._pool.submit(
+                            lambda f=encoded, off=record.layout.data_offset: pwrite(
+                                off, f.result()[1]
+                            )
+                        )
+                    )
+                window.append((record, encoded, writes))
+                with lock:
+                    inflight_copy += _copy_cost(record)
+                while window and (
+                    len(window) > 4 * self._workers or inflight_copy > _INFLIGHT_COPY_BYTES
+                ):
+                    finish_oldest()
+            while window:
+                finish_oldest()
+        finally:
+            progress.close()
+
+    def _submit_encode(
+        self, record: _Record, data: memoryview
+    ) -> Future[tuple[bytes, memoryview]]:
+        layout = record.layout
+        pending = record.pending
+        hash_types = hash_types_for(record.encrypted and layout.data_length > 0)
+        zero_header = bytes(
+            pack_tensor_header(
+                module_idx=pending.module_idx,
+                tensor_type=pending.tensor_type,
+                raw_name=pending.raw_name,
+                dtype=record.dtype,
+                shape=record.shape,
+                hashes=[(t, bytes(4 if t == HASH_CRC32 else 32)) for t in hash_types],
+                data_length=layout.data_length,
+                long_shape=record.long_shape,
+                padding=layout.padding,
+            )
+        )
+        crc_f: Future[int] | None = None
+        sha_f: Future[bytes]
+        if HASH_CRC32 in hash_types and len(data) >= _SPLIT_HASH_BYTES:
+            crc_f = self._pool.submit(_crc32, zero_header, data)
+        sha_f = self._pool.submit(
+            _sha256_and_maybe_crc, zero_header, data,
+            HASH_CRC32 in hash_types and crc_f is None,
+        )
+        encryptor = self._encryptor
+
+        def assemble() -> tuple[bytes, memoryview]:
+            sha, crc_inline = sha_f.result()
+            hashes = []
+            if HASH_CRC32 in hash_types:
+                crc = crc_f.result() if crc_f is not None else crc_inline
+                hashes.append((HASH_CRC32, struct.pack("<I", crc)))
+            hashes.append((HASH_SHA256, sha))
+            payload = data
+            crypt_info = None
+            if encryptor is not None:
+                if record.encrypted:
+                    payload, crypt_info = encryptor.encrypt(data)
+                else:
+                    crypt_info = encryptor.empty_crypt_info()
+            header = pack_tensor_header(
+                module_idx=pending.module_idx,
+                tensor_type=pending.tensor_type,
+                raw_name=pending.raw_name,
+                dtype=record.dtype,
+                shape=record.shape,
+                hashes=hashes,
+                data_length=layout.data_length,
+                crypt_info=crypt_info,
+                long_shape=record.long_shape,
+                padding=layout.padding,
+            )
+            if len(header) != layout.header_size:
+                raise SerializationError(
+                    f"internal error: header of {pending.display_name!r} is {len(header)} "
+                    f"bytes, planned {layout.header_size}"
+                )
+            return bytes(header), payload
+
+        if encryptor is None:
+            # Cheap: assembling waits on the hash futures, so run it on the caller.
+            return _Deferred(assemble)
+        return self._pool.submit(assemble)
+
+
+class _Deferred(Future):  # type: ignore[type-arg]
+    """A future computed on first ``result()`` in the calling thread."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self._fn = fn
+        self._done_once = False
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self._done_once:
+            self._done_once = True
+            try:
+                self.set_result(self._fn())
+            except BaseException as exc:
+                self.set_exception(exc)
+        return super().result(timeout)
+
+
+def _host_view(record: _Record) -> memoryview:
+    if record.is_meta:
+        return memoryview(b"")
+    return host_bytes(record.pending.tensor)[0]
+
+
+def _copy_cost(record: _Record) -> int:
+    t = record.pending.tensor
+    copied = record.encrypted or t.device.type != "cpu" or not t.is_contiguous()
+    return record.layout.data_length if copied and not record.is_meta else 0
+
+
+def _crc32(header: bytes, data: memoryview) -> int:
+    return zlib.crc32(data, zlib.crc32(header))
+
+
+def _sha256_and_maybe_crc(header: bytes, data: memoryview, with_crc: bool) -> tuple[bytes, int]:
+    h = hashlib.sha256(header)
+    h.update(data)
+    return h.digest(), (zlib.crc32(data, zlib.crc32(header)) if with_crc else 0)
+
+
+def _metadata_bytes(
+    existing: Iterable[IndexEntry],
+    new: Iterable[tuple[PendingTensor, str, tuple[int, ...], bool]],
+    versioned: bool,
+) -> int:
+    tag = 4 if versioned else 0
+    total = 0
+    for e in existing:
+        total += tag + 2 + len(e.raw_name) + 2 + len(e.dtype.encode()) + 1
+        total += (8 if e.long_shape else 4) * len(e.shape) + 24
+    for p, dtype, shape, long_shape in new:
+        total += tag + 2 + len(p.raw_name) + 2 + len(dtype.encode()) + 1
+        total += (8 if long_shape else 4) * len(shape) + 24
+    return total
+
+
+def _make_encryptor(encryption: Any) -> Any:
+    if encryption is None:
+        return None
+    from tensorstream.serialize.encrypt import RecordEncryptor
+
+    return RecordEncryptor(encryption)
