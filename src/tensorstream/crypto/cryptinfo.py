@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import ClassVar, Union
+from typing import ClassVar
 
 from tensorstream.errors import ConfigError, FormatError
 
@@ -179,7 +179,7 @@ class UnknownChunk:
         return self.payload
 
 
-CryptInfoChunk = Union[KeyDerivation, XSalsa20Parallel, XSalsa20Sequential, UnknownChunk]
+CryptInfoChunk = KeyDerivation | XSalsa20Parallel | XSalsa20Sequential | UnknownChunk
 
 
 @dataclass(frozen=True)
@@ -259,7 +259,9 @@ def sealed_crypt_info_size(
         return _U64.size + _U16.size
     check_chunk_size(chunk_size)
     size = _U64.size + _U16.size
-    size += _U64.size + _U16.size + _PAR_FIXED.size + MAC_BYTES * num_chunks(data_length, chunk_size)
+    size += (
+        _U64.size + _U16.size + _PAR_FIXED.size + MAC_BYTES * num_chunks(data_length, chunk_size)
+    )
     if key_derivation is not None:
         size += _U64.size + _U16.size + _KDF_FIXED.size + len(key_derivation.salt)
     return size
@@ -289,9 +291,7 @@ def _unpack_chunk(chunk_type: int, body: memoryview, where: str) -> CryptInfoChu
         if chunk_type == XSALSA20_PARALLEL:
             size, nonce, count = _PAR_FIXED.unpack(_take(body, 0, _PAR_FIXED.size, end, "nonce"))
             macs_raw = _take(body, _PAR_FIXED.size, count * MAC_BYTES, end, f"{count} MACs")
-            macs = tuple(
-                bytes(macs_raw[i * MAC_BYTES : (i + 1) * MAC_BYTES]) for i in range(count)
-            )
+            macs = tuple(bytes(macs_raw[i * MAC_BYTES : (i + 1) * MAC_BYTES]) for i in range(count))
             return XSalsa20Parallel(chunk_size=size, nonce=nonce, macs=macs)
         if chunk_type == XSALSA20_SEQUENTIAL:
             nonce, mac = _SEQ.unpack(_take(body, 0, _SEQ.size, end, "nonce and MAC"))
@@ -301,7 +301,9 @@ def _unpack_chunk(chunk_type: int, body: memoryview, where: str) -> CryptInfoChu
     return UnknownChunk(chunk_type, bytes(body))
 
 
-def unpack_crypt_info(buf: bytes | bytearray | memoryview, offset: int = 0) -> tuple[CryptInfo, int]:
+def unpack_crypt_info(
+    buf: bytes | bytearray | memoryview, offset: int = 0
+) -> tuple[CryptInfo, int]:
     """Parse the block that starts (with its ``u64 crypt_len``) at ``offset`` of ``buf``.
 
     Returns:

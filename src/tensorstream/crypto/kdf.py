@@ -66,7 +66,9 @@ def _check(salt: bytes, opslimit: int, memlimit: int, alg: int) -> None:
             f"{_MIN_MEMLIMIT}..{MAX_MEMLIMIT}"
         )
     if not 8 <= len(salt) <= 0xFFFF:
-        raise ConfigError(f"an Argon2 salt must be 8 to 65535 bytes (tensorizer uses 16), got {len(salt)}")
+        raise ConfigError(
+            f"an Argon2 salt must be 8 to 65535 bytes (tensorizer uses 16), got {len(salt)}"
+        )
 
 
 def _argon2_cffi(passphrase: bytes, salt: bytes, opslimit: int, memlimit: int, alg: int) -> bytes:
@@ -88,9 +90,13 @@ def _libsodium(passphrase: bytes, salt: bytes, opslimit: int, memlimit: int, alg
     from tensorstream.crypto import sodium
 
     if len(salt) != SALT_BYTES:
-        raise ConfigError(f"libsodium's crypto_pwhash needs a {SALT_BYTES}-byte salt, got {len(salt)}")
+        raise ConfigError(
+            f"libsodium's crypto_pwhash needs a {SALT_BYTES}-byte salt, got {len(salt)}"
+        )
     out = ctypes.create_string_buffer(KEY_BYTES)
-    rc = sodium.get().pwhash(out, KEY_BYTES, passphrase, len(passphrase), salt, opslimit, memlimit, alg)
+    rc = sodium.get().pwhash(
+        out, KEY_BYTES, passphrase, len(passphrase), salt, opslimit, memlimit, alg
+    )
     if rc != 0:
         raise CryptoError(
             f"crypto_pwhash failed (opslimit={opslimit}, memlimit={memlimit}); "

@@ -19,7 +19,7 @@ import secrets
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
-from typing import Any, Union
+from typing import Any
 
 from tensorstream.crypto import sodium
 from tensorstream.crypto.cryptinfo import (
@@ -55,9 +55,10 @@ __all__ = [
 
 KEY_BYTES = 32
 
-#: Anything ``encrypt_chunks`` accepts as memory: buffer-protocol object, CPU torch
-#: tensor, or ``(address, nbytes)``.
-Buffer = Union[memoryview, bytearray, "tuple[int, int]", Any]
+#: Memory the functions accept: a writable buffer-protocol object, a CPU
+#: ``torch.Tensor``, or an ``(address, nbytes)`` tuple. (Typed loosely on purpose:
+#: torch is not imported here.)
+Buffer = Any
 
 # A real address for zero-length calls; libsodium is never handed NULL.
 _EMPTY = ctypes.create_string_buffer(1)
@@ -424,4 +425,3 @@ def open_tensor(
     elif cipher.macs:
         raise FormatError(f"{what} has no data but {len(cipher.macs)} MACs; the header is corrupt")
     del keep
-
