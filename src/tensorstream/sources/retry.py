@@ -72,7 +72,9 @@ class RetryBudget:
         """Seconds left before the deadline (never negative)."""
         return max(0.0, self._since + self._deadline - time.monotonic())
 
-    def fail(self, error: BaseException | str, offset: int, retry_after: float | None = None) -> None:
+    def fail(
+        self, error: BaseException | str, offset: int, retry_after: float | None = None
+    ) -> None:
         """Spend one attempt: sleep with backoff, or raise if the budget is gone.
 
         Args:
