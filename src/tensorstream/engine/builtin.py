@@ -123,6 +123,7 @@ def materialize_builtin(cache_dir: Path | None = None) -> Path:
         try:
             started = time.perf_counter()
             _convert_gguf(gguf, tmp)
+            _make_shareable(tmp)
             os.replace(tmp, target)
             logger.info(
                 "materialised %s from %s into %s in %.1f s",
@@ -135,6 +136,15 @@ def materialize_builtin(cache_dir: Path | None = None) -> Path:
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _make_shareable(directory: Path) -> None:
+    """Give the cache the umask's usual modes; mkdtemp and atomic writers create private ones."""
+    umask = os.umask(0)
+    os.umask(umask)
+    directory.chmod(0o777 & ~umask)
+    for path in directory.iterdir():
+        path.chmod(0o666 & ~umask)
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> None:

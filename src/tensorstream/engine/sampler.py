@@ -1,0 +1,86 @@
+"""Pick the next token of one sequence from its logits: penalties, temperature, top-k/p, draw.
+
+Pure functions over one row of logits, so each request can carry its own
+settings and its own ``torch.Generator`` while the model runs them as a batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorstream.engine.outputs import Logprob
+from tensorstream.engine.sampling import SamplingParams
+
+__all__ = ["apply_penalties", "pick_token", "top_logprobs"]
+
+
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: torch.Tensor, output_ids: torch.Tensor
+) -> torch.Tensor:
+    """Return ``logits`` (1-D, float32) with the repetition/presence/frequency penalties applied.
+
+    Repetition penalty follows Hugging Face (over prompt and output: negative logits are
+    multiplied, positive divided); presence and frequency penalties follow OpenAI/vLLM
+    (over output tokens only).
+    """
+    if params.repetition_penalty != 1.0:
+        seen = torch.cat([prompt_ids, output_ids]).unique()
+        scores = logits[seen]
+        scores = torch.where(
+            scores < 0, scores * params.repetition_penalty, scores / params.repetition_penalty
+        )
+        logits = logits.clone()
+        logits[seen] = scores
+    if (params.presence_penalty or params.frequency_penalty) and output_ids.numel():
+        counts = torch.bincount(output_ids, minlength=logits.numel())[: logits.numel()].to(
+            logits.dtype
+        )
+        logits = (
+            logits
+            - params.frequency_penalty * counts
+            - params.presence_penalty * (counts > 0).to(logits.dtype)
+        )
+    return logits
+
+
+def pick_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> int:
+    """Choose the next token from processed 1-D float32 ``logits``.
+
+    Greedy (temperature 0) is a plain argmax, identical to transformers' greedy search.
+    Otherwise: temperature, then top-k, then top-p, then one draw from ``generator``.
+    """
+    if params.greedy:
+        return int(torch.argmax(logits))
+    logits = logits / params.temperature
+    if params.top_k > 0 and params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Drop a token when the mass *before* it already reaches top_p; the top token always stays.
+        drop_sorted = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def top_logprobs(
+    logprobs: torch.Tensor, chosen: int, k: int, decode: callable | None = None
+) -> dict[int, Logprob]:
+    """The ``k`` most likely tokens plus the chosen one, with their log-probs and ranks."""
+    result: dict[int, Logprob] = {}
+    if k > 0:
+        values, ids = torch.topk(logprobs, min(k, logprobs.numel()))
+        for rank, (value, token) in enumerate(
+            zip(values.tolist(), ids.tolist(), strict=True), start=1
+        ):
+            result[token] = Logprob(value, rank, decode(token) if decode else None)
+    if chosen not in result:
+        value = float(logprobs[chosen])
+        rank = int((logprobs > logprobs[chosen]).sum()) + 1
+        result[chosen] = Logprob(value, rank, decode(chosen) if decode else None)
+    return result
