@@ -219,7 +219,9 @@ class CryptInfo:
             raise FormatError(
                 f"CryptInfo holds {len(found)} encryption-method chunks; exactly one is allowed"
             )
-        unknown = sorted({c.chunk_type for c in self.chunks if isinstance(c, UnknownChunk)})
+        unknown = sorted(
+            {c.chunk_type for c in self.chunks if isinstance(c, UnknownChunk)} - {KEY_DERIVATION}
+        )
         raise FormatError(
             "CryptInfo names no known encryption method"
             + (f" (unknown chunk types {unknown}); a newer tensorizer wrote it" if unknown else "")
