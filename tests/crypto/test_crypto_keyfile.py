@@ -16,6 +16,7 @@ from tensorstream.crypto import (
     write_keyfile,
 )
 from tensorstream.errors import ConfigError, SourceNotFoundError
+from tensorstream.sources import open_sink
 
 
 def test_write_then_read(tmp_path: Path) -> None:
@@ -85,3 +86,19 @@ def test_params_from_keyfile(tmp_path: Path) -> None:
     write_keyfile(path, enc.key)
     assert EncryptionParams.from_keyfile(path).key == enc.key
     assert DecryptionParams.from_keyfile(path).key_for(None) == enc.key
+
+
+@pytest.mark.integration
+def test_s3_and_http(s3_env: object, s3_bucket: str, http_server: object) -> None:
+    key = os.urandom(32)
+    uri = f"s3://{s3_bucket}/keys/model.key"
+    write_keyfile(uri, key)
+    assert read_keyfile(uri) == key
+    short = f"s3://{s3_bucket}/keys/short.key"
+    with open_sink(short) as sink:
+        sink.write(b"short")
+    with pytest.raises(ConfigError, match=f"{s3_bucket}/keys/short.key is 5 bytes"):
+        read_keyfile(short)
+    served = http_server.root / "crypto-keyfile-test.key"  # type: ignore[attr-defined]
+    served.write_bytes(key)
+    assert read_keyfile(http_server.url("crypto-keyfile-test.key")) == key  # type: ignore[attr-defined]

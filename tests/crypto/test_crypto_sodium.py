@@ -108,3 +108,13 @@ def test_calls_release_the_gil() -> None:
         stop.set()
         spinner.join()
     assert inside > 100
+
+
+def test_public_names_sorted_and_resolvable() -> None:
+    import importlib
+
+    for name in ("", ".sodium", ".secretbox", ".cryptinfo", ".kdf", ".params", ".keyfile"):
+        module = importlib.import_module("tensorstream.crypto" + name)
+        assert list(module.__all__) == sorted(module.__all__), module.__name__
+        for public in module.__all__:
+            assert getattr(module, public) is not None, (module.__name__, public)

@@ -57,10 +57,10 @@ from tensorstream.crypto.secretbox import (
 from tensorstream.crypto.sodium import describe
 
 __all__ = [
-    "DEFAULT_CHUNK_SIZE",
-    "EMPTY",
     "CryptInfo",
+    "DEFAULT_CHUNK_SIZE",
     "DecryptionParams",
+    "EMPTY",
     "EncryptionParams",
     "KeyDerivation",
     "MemLimit",

@@ -10,9 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import stat
+from typing import TYPE_CHECKING
 
 from tensorstream.crypto.kdf import KEY_BYTES
 from tensorstream.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tensorstream.sources.base import StorageOptions
 
 __all__ = ["read_keyfile", "write_keyfile"]
 
@@ -20,12 +24,15 @@ _log = logging.getLogger(__name__)
 _MAX_KEYFILE = 4096
 
 
-def write_keyfile(uri: str | os.PathLike[str], key: bytes) -> None:
+def write_keyfile(
+    uri: str | os.PathLike[str], key: bytes, options: StorageOptions | None = None
+) -> None:
     """Store ``key`` at ``uri`` atomically (local paths: mode 0600, temp file + rename).
 
     Args:
         uri: a local path, ``file://`` or ``s3://`` URI.
         key: the 32-byte key.
+        options: how to reach remote storage (credentials, endpoint).
 
     Raises:
         ConfigError: the key is not 32 bytes.
@@ -38,18 +45,19 @@ def write_keyfile(uri: str | os.PathLike[str], key: bytes) -> None:
 
     if not isinstance(key, (bytes, bytearray, memoryview)) or len(key) != KEY_BYTES:
         raise ConfigError(f"refusing to write {uri}: a key must be exactly {KEY_BYTES} bytes")
-    with open_sink(uri) as sink:
+    with open_sink(uri, options) as sink:
         set_mode = getattr(sink, "set_mode", None)
         if set_mode is not None:  # local files; object stores have no POSIX mode
             set_mode(0o600)
         sink.write(bytes(key))
 
 
-def read_keyfile(uri: str | os.PathLike[str]) -> bytes:
+def read_keyfile(uri: str | os.PathLike[str], options: StorageOptions | None = None) -> bytes:
     """Load the 32-byte key stored at ``uri``.
 
     Args:
         uri: a local path, ``file://``, ``http(s)://`` or ``s3://`` URI.
+        options: how to reach remote storage (credentials, endpoint).
 
     Returns:
         The raw key bytes.
@@ -60,7 +68,7 @@ def read_keyfile(uri: str | os.PathLike[str]) -> bytes:
     """
     from tensorstream.sources import open_source
 
-    with open_source(uri) as source:
+    with open_source(uri, options) as source:
         size = source.size
         name = source.display_uri
         if size > _MAX_KEYFILE:

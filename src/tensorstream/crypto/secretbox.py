@@ -36,8 +36,8 @@ from tensorstream.crypto.cryptinfo import (
 from tensorstream.errors import ConfigError, CryptoError, DecryptionError, FormatError
 
 __all__ = [
-    "KEY_BYTES",
     "Buffer",
+    "KEY_BYTES",
     "decrypt_chunks",
     "decrypt_chunks_parallel",
     "decrypt_sequential",
