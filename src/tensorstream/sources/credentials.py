@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tensorstream.errors import ConfigError
+from tensorstream.errors import AccessDeniedError, ConfigError
 from tensorstream.sources.base import StorageOptions
 
 __all__ = ["S3Credentials", "resolve_s3_credentials"]
@@ -198,6 +198,7 @@ def resolve_s3_credentials(
     Raises:
         ConfigError: half a key pair, a missing explicit s3cmd config, a bad
             endpoint scheme or addressing style.
+        AccessDeniedError: the AWS default chain was consulted and failed.
 
     Example:
         >>> creds = resolve_s3_credentials(StorageOptions(s3_endpoint="http://127.0.0.1:8333",
@@ -240,7 +241,14 @@ def resolve_s3_credentials(
         token = opts.s3_session_token or cfg.get("access_token") or None
         key_source = f"s3cmd config {cfg_path}"
     else:
-        chain = boto.session().get_credentials()
+        try:
+            chain = boto.session().get_credentials()
+        except Exception as exc:  # botocore raises many types; a configured provider failed
+            raise AccessDeniedError(
+                f"the AWS default credential chain failed ({type(exc).__name__}); give keys "
+                "in StorageOptions or S3_ACCESS_KEY_ID/S3_SECRET_ACCESS_KEY, or set "
+                "s3_unsigned=True for a public bucket"
+            ) from exc
         if chain is None:
             unsigned, key_source = True, "no credentials found in options, env, s3cmd or AWS config"
         else:

@@ -21,6 +21,7 @@ import threading
 import urllib.parse
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from tensorstream.errors import (
@@ -233,6 +234,70 @@ def _client(creds: S3Credentials, options: StorageOptions) -> Any:
     )
 
 
+@dataclass(frozen=True)
+class _Target:
+    """Everything an S3 API call of the sink needs; shared with the upload workers."""
+
+    client: Any
+    creds: S3Credentials
+    bucket: str
+    key: str
+    display_uri: str
+
+
+def _call(target: _Target, operation: str, **kwargs: Any) -> Any:
+    """One S3 API call with botocore errors mapped onto the error tree."""
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    method = getattr(target.client, re.sub(r"(?<!^)(?=[A-Z])", "_", operation).lower())
+    try:
+        return method(**kwargs)
+    except ClientError as exc:
+        error = exc.response.get("Error", {})
+        code, message = str(error.get("Code", "")), str(error.get("Message", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        what = f"{operation}: {code or status} {message}".strip()
+        if code in _DENIED or status in (401, 403):
+            raise _denied(target.display_uri, what, target.creds) from exc
+        if code == "NoSuchBucket":
+            raise SourceNotFoundError(
+                f"{target.display_uri}: bucket {target.bucket!r} does not exist at "
+                f"{target.creds.endpoint}; create it first"
+            ) from exc
+        raise SourceError(f"{target.display_uri}: {what}") from exc
+    except BotoCoreError as exc:
+        raise SourceError(
+            f"{target.display_uri}: {operation} failed ({type(exc).__name__}: {exc}); check "
+            f"that the endpoint {target.creds.endpoint} is reachable"
+        ) from exc
+
+
+def _upload_part(
+    target: _Target,
+    upload_id: str,
+    number: int,
+    buf: bytearray,
+    length: int,
+    recycle: list[bytearray] | None,
+) -> str:
+    """Upload one part (worker thread); hand full buffers back through ``recycle``."""
+    body: bytes | bytearray = buf if length == len(buf) else bytes(memoryview(buf)[:length])
+    try:
+        response = _call(
+            target,
+            "UploadPart",
+            Bucket=target.bucket,
+            Key=target.key,
+            UploadId=upload_id,
+            PartNumber=number,
+            Body=body,
+        )
+    finally:
+        if recycle is not None and length == len(buf):
+            recycle.append(buf)  # list.append is atomic; the writer pops from the other end
+    return str(response["ETag"])
+
+
 _LIVE: weakref.WeakSet[S3Sink] = weakref.WeakSet()
 
 
@@ -283,7 +348,9 @@ class S3Sink(Sink):
         self._bucket, self._key = uri.bucket, uri.key
         self.display_uri = _display(uri.bucket, uri.key)
         self._creds = resolve_s3_credentials(opts)
-        self._s3 = _client(self._creds, opts)
+        self._target = _Target(
+            _client(self._creds, opts), self._creds, uri.bucket, uri.key, self.display_uri
+        )
         self._part_size = part_size
         self._first_cap = max(part_size, _MIN_FIRST_PART)
         self._first = bytearray()
@@ -352,7 +419,7 @@ class S3Sink(Sink):
                 body = bytes(self._first)
                 if self._cur is not None:
                     body += memoryview(self._cur)[: self._cur_len]
-                self._call("PutObject", Bucket=self._bucket, Key=self._key, Body=body)
+                _call(self._target, "PutObject", Bucket=self._bucket, Key=self._key, Body=body)
             else:
                 if self._cur is not None and self._cur_len:
                     buf, self._cur = self._cur, None
@@ -361,7 +428,8 @@ class S3Sink(Sink):
                 parts = [
                     {"PartNumber": n, "ETag": self._parts[n].result()} for n in sorted(self._parts)
                 ]
-                self._call(
+                _call(
+                    self._target,
                     "CompleteMultipartUpload",
                     Bucket=self._bucket,
                     Key=self._key,
@@ -386,7 +454,7 @@ class S3Sink(Sink):
             self._pool.shutdown(wait=True)
         if self._upload_id is not None:
             try:
-                self._s3.abort_multipart_upload(
+                self._target.client.abort_multipart_upload(
                     Bucket=self._bucket, Key=self._key, UploadId=self._upload_id
                 )
             except Exception as exc:  # abort runs from __del__/atexit too: never raise
@@ -416,59 +484,23 @@ class S3Sink(Sink):
 
     def _submit(self, buf: bytearray, length: int, part_number: int | None = None) -> None:
         if self._upload_id is None:
-            created = self._call("CreateMultipartUpload", Bucket=self._bucket, Key=self._key)
+            created = _call(
+                self._target, "CreateMultipartUpload", Bucket=self._bucket, Key=self._key
+            )
             self._upload_id = created["UploadId"]
             self._pool = ThreadPoolExecutor(_UPLOAD_THREADS, thread_name_prefix="s3-upload")
         if part_number is None:
             part_number = len(self._parts) + 2  # part 1 is the patchable first part
         self._slots.acquire()  # bounds host memory: the writer waits for an upload to finish
         assert self._pool is not None
-        future = self._pool.submit(self._upload_part, part_number, buf, length)
-        future.add_done_callback(lambda _: self._slots.release())
+        # The worker and callback get their inputs explicitly, never ``self``: a
+        # forgotten sink must stay collectable so that __del__ can abort it.
+        recycle = None if buf is self._first else self._free
+        future = self._pool.submit(
+            _upload_part, self._target, self._upload_id, part_number, buf, length, recycle
+        )
+        future.add_done_callback(lambda _, slots=self._slots: slots.release())
         self._parts[part_number] = future
-
-    def _upload_part(self, number: int, buf: bytearray, length: int) -> str:
-        body: bytes | bytearray = buf if length == len(buf) else bytes(memoryview(buf)[:length])
-        try:
-            response = self._call(
-                "UploadPart",
-                Bucket=self._bucket,
-                Key=self._key,
-                UploadId=self._upload_id,
-                PartNumber=number,
-                Body=body,
-            )
-        finally:
-            if len(buf) == self._part_size and buf is not self._first:
-                with self._lock:
-                    self._free.append(buf)
-        return str(response["ETag"])
-
-    def _call(self, operation: str, **kwargs: Any) -> Any:
-        """One S3 API call with botocore errors mapped onto the error tree."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        method = getattr(self._s3, re.sub(r"(?<!^)(?=[A-Z])", "_", operation).lower())
-        try:
-            return method(**kwargs)
-        except ClientError as exc:
-            error = exc.response.get("Error", {})
-            code, message = str(error.get("Code", "")), str(error.get("Message", ""))
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            what = f"{operation}: {code or status} {message}".strip()
-            if code in _DENIED or status in (401, 403):
-                raise _denied(self.display_uri, what, self._creds) from exc
-            if code == "NoSuchBucket":
-                raise SourceNotFoundError(
-                    f"{self.display_uri}: bucket {self._bucket!r} does not exist at "
-                    f"{self._creds.endpoint}; create it first"
-                ) from exc
-            raise SourceError(f"{self.display_uri}: {what}") from exc
-        except BotoCoreError as exc:
-            raise SourceError(
-                f"{self.display_uri}: {operation} failed ({type(exc).__name__}: {exc}); check "
-                f"that the endpoint {self._creds.endpoint} is reachable"
-            ) from exc
 
     def _release(self) -> None:
         if self._pool is not None:
