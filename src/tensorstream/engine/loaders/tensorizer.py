@@ -122,9 +122,9 @@ class TensorizerLoader(WeightLoader):
             from tensorstream.crypto.params import DecryptionParams
 
             kwargs["encryption"] = DecryptionParams.from_keyfile(options.encryption_keyfile)
-        storage = _storage_kwargs(options)
-        if storage:
-            kwargs["storage_options"] = storage
+        storage = _storage_options(options)
+        if storage is not None:
+            kwargs["storage"] = storage
         kwargs.update(options.deserialization_kwargs)
         deserializer = TensorDeserializer(uri, **kwargs)
         try:
@@ -132,16 +132,35 @@ class TensorizerLoader(WeightLoader):
         except BaseException:
             deserializer.close()
             raise
-        nbytes = sum(t.nbytes for t in tensors.values())
+        nbytes = getattr(deserializer, "total_bytes_read", 0) or sum(
+            t.nbytes for t in tensors.values()
+        )
         return LoadedWeights(tensors, uri=uri, nbytes=nbytes, closer=deserializer)
 
 
-def _storage_kwargs(options: TensorizerLoadOptions) -> dict[str, Any]:
-    """S3 settings for the deserializer's source, only those the user gave."""
+def _storage_options(options: TensorizerLoadOptions) -> Any:
+    """``StorageOptions`` from the S3 keys and ``stream_kwargs``; None when none were given.
+
+    Raises:
+        ConfigError: a ``stream_kwargs`` key that ``StorageOptions`` does not have.
+    """
+    from dataclasses import fields
+
+    from tensorstream.sources.base import StorageOptions
+
     values = {
         "s3_access_key_id": options.s3_access_key_id,
         "s3_secret_access_key": options.s3_secret_access_key,
         "s3_endpoint": options.s3_endpoint,
         **options.stream_kwargs,
     }
-    return {key: value for key, value in values.items() if value is not None}
+    values = {key: value for key, value in values.items() if value is not None}
+    if not values:
+        return None
+    known = {f.name for f in fields(StorageOptions)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(
+            f"stream_kwargs keys {unknown} are not storage options; valid: {', '.join(sorted(known))}"
+        )
+    return StorageOptions(**values)
