@@ -35,6 +35,8 @@ BEGIN = "<!-- BEGIN GENERATED: bench results (python -m bench.run --out docs/) -
 END = "<!-- END GENERATED: bench results -->"
 PLOT_NAME = "bench-local.png"
 _CACHE_ORDER = {"warm": 0, "cold": 1, "none": 2}
+_SOURCE_ORDER = {"local": 0, "http": 1, "s3": 2}
+_OP_ORDER = {"load": 0, "touch": 1, "serialize": 2}
 
 
 def machine_info() -> dict:
@@ -119,7 +121,8 @@ def summarize(rows: list[dict]) -> dict:
     for g in groups:
         b = best.get((g["op"], g["source"], g["cache"]))
         g["vs_best_peer"] = g["gbps"] / b if b and g.get("gbps") else None
-    groups.sort(key=lambda g: (g["op"], g["source"], _CACHE_ORDER.get(g["cache"], 9)))
+    groups.sort(key=lambda g: (_OP_ORDER.get(g["op"], 9), _SOURCE_ORDER.get(g["source"], 9),
+                               g["source"], _CACHE_ORDER.get(g["cache"], 9)))  # fmt: skip
     return {"groups": groups, "mismatches": _mismatches(rows)}
 
 

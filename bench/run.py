@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -19,8 +20,8 @@ from pathlib import Path
 
 from bench import report
 from bench.cases import Case, select
-from bench.checkpoint import FORMAT_FILES, CheckpointSpec, ensure_checkpoint
-from bench.sources import BenchSource, open_source
+from bench.checkpoint import FORMAT_FILES, CheckpointSpec, checkpoint_dir, ensure_checkpoint
+from bench.sources import SOURCES, BenchSource, open_source
 from bench.workers import RESULT_PREFIX, Unavailable, drop_page_cache
 
 __all__ = ["main", "run_case"]
@@ -36,7 +37,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--quick", action="store_true", help="256 MiB, 3 repeats unless given")
     ap.add_argument("--cases", default="", help="comma-separated globs of case names (default all)")
-    ap.add_argument("--sources", default="local", help="comma-separated sources (default local)")
+    ap.add_argument("--sources", default="all", help="comma-separated: local,http,s3 (default all)")
     ap.add_argument("--cache", default="warm,cold", help="page-cache states to run: warm,cold")
     ap.add_argument("--cache-dir", type=Path, default=REPO / ".bench", help="checkpoint cache dir")
     ap.add_argument("--seed", type=int, default=0)
@@ -45,6 +46,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--out", type=Path, default=None, help="write benchmarks.md + PNG into this dir"
     )
     ap.add_argument("--results", type=Path, default=None, help="also write raw results JSON here")
+    ap.add_argument("--rebuild", action="store_true", help="rewrite the cached checkpoint files")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
     args = ap.parse_args(argv)
     args.size_mib = args.size_mib or (256 if args.quick else 1536)
@@ -109,7 +111,8 @@ def _plan(cases: list[Case], caches: list[str]) -> list[tuple[Case, str]]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit status (1 if a loader's bytes disagree)."""
     args = _parse(argv)
-    cases = select(args.cases.split(","), args.sources.split(","))
+    wanted = list(SOURCES) if args.sources == "all" else args.sources.split(",")
+    cases = select(args.cases.split(","), wanted)
     if args.list:
         for c in cases:
             print(
@@ -123,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         f"checkpoint: {spec.slug} ({spec.nbytes / 2**20:.0f} MiB); formats {formats}",
         file=sys.stderr,
     )
+    if args.rebuild:
+        # A writer that changed since the files were cached must be measured on its new output.
+        shutil.rmtree(checkpoint_dir(args.cache_dir, spec), ignore_errors=True)
     directory, manifest = ensure_checkpoint(args.cache_dir, spec, formats)
     scratch = args.cache_dir / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -132,9 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     started = time.time()
     try:
+        source_errors: dict[str, str] = {}
         for name in sorted({c.source for c in cases}):
-            sources[name] = open_source(name)
-            sources[name].start(directory)
+            try:
+                src = open_source(name)
+                src.start(directory)
+                sources[name] = src
+            except (
+                Exception
+            ) as exc:  # a missing server makes its cases unavailable, not the run fail
+                source_errors[name] = f"source {name} did not start: {type(exc).__name__}: {exc}"
+                print(source_errors[name][:400], file=sys.stderr)
         runs = _plan(cases, caches)
         for rep in range(args.repeats):
             for case, cache in runs:
@@ -149,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
                 if fmt.get("status") != "ok":
                     row = {**head, "status": "unavailable",
                            "reason": f"no {case.fmt} checkpoint: {fmt.get('reason', 'not written')}"}  # fmt: skip
+                elif case.source in source_errors:
+                    row = {
+                        **head,
+                        "status": "unavailable",
+                        "reason": source_errors[case.source][:600],
+                    }
                 elif cache == "cold" and cold_reason:
                     row = {**head, "status": "unavailable", "reason": cold_reason}
                 else:

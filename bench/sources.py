@@ -63,7 +63,9 @@ class LocalBenchSource(BenchSource):
 
 # name -> "module:Class"; imported on first use.
 SOURCES: dict[str, str] = {
+    "http": "bench.servers:NginxBenchSource",
     "local": "bench.sources:LocalBenchSource",
+    "s3": "bench.servers:SeaweedBenchSource",
 }
 
 

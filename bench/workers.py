@@ -84,19 +84,28 @@ def _import(module: str, what: str) -> Any:
 # --------------------------------------------------------------------------- loaders
 
 
+def _load_kwargs(spec: Spec) -> dict[str, Any]:
+    p = spec["params"]
+    return {
+        "device": "cpu",
+        "num_readers": p.get("num_readers"),
+        "verify_hash": p.get("verify_hash", False),
+    }
+
+
 def tensorstream_load(spec: Spec) -> Timed:
     """tensorstream's ``TensorDeserializer(uri, device="cpu", num_readers=, verify_hash=)``."""
     mod = _import("tensorstream", "tensorstream")
     cls = getattr(mod, "TensorDeserializer", None)
     if cls is None:
         raise Unavailable("tensorstream.TensorDeserializer is not there yet")
-    p = spec["params"]
-    kwargs = {
-        "device": "cpu",
-        "num_readers": p.get("num_readers"),
-        "verify_hash": p.get("verify_hash", False),
-    }
-    kwargs.update(spec["located"]["options"])
+    kwargs = _load_kwargs(spec)
+    opts = spec["located"]["options"]
+    if opts.get("endpoint"):
+        kwargs["storage"] = mod.StorageOptions(
+            s3_access_key_id=opts["access_key"], s3_secret_access_key=opts["secret_key"],
+            s3_endpoint=opts["endpoint"], s3_region=opts.get("region"), s3_addressing="path",
+        )  # fmt: skip
     uri = spec["located"]["uri"]
     return lambda: cls(uri, **kwargs).items()
 
@@ -104,18 +113,18 @@ def tensorstream_load(spec: Spec) -> Timed:
 def tensorizer_load(spec: Spec) -> Timed:
     """tensorizer 2.12.1 ``TensorDeserializer``; remote URIs go through its ``open_stream``."""
     tz = _import("tensorizer", "tensorizer")
-    p = spec["params"]
-    kwargs = {
-        "device": "cpu",
-        "num_readers": p.get("num_readers"),
-        "verify_hash": p.get("verify_hash", False),
-    }
-    located = spec["located"]
-    uri, options = located["uri"], located["options"]
+    kwargs = _load_kwargs(spec)
+    uri, opts = spec["located"]["uri"], spec["located"]["options"]
+    stream_kwargs: dict[str, Any] = {}
+    if opts.get("endpoint"):
+        stream_kwargs = {"s3_access_key_id": opts["access_key"], "s3_secret_access_key": opts["secret_key"],
+                         "s3_endpoint": opts["endpoint"], "s3_region_name": opts.get("region"),
+                         "force_http": opts["endpoint"].startswith("http://")}  # fmt: skip
+    remote = "://" in uri
 
     def timed() -> Any:
         # Opening the stream is part of loading from a remote source, so it is timed.
-        src = tz.stream_io.open_stream(uri, "rb", **options) if options else uri
+        src = tz.stream_io.open_stream(uri, "rb", **stream_kwargs) if remote else uri
         return tz.TensorDeserializer(src, **kwargs).items()
 
     return timed
@@ -224,22 +233,35 @@ def serialize(spec: Spec) -> Timed:
     return timed
 
 
-WORKERS: dict[str, Callable[[Spec], Timed]] = {
+# name -> function, or "module:function" for workers whose module pulls in network clients.
+WORKERS: dict[str, Callable[[Spec], Timed] | str] = {
+    "boto3_ranged": "bench.networkers:boto3_ranged",
     "readinto": readinto,
+    "runai_load": "bench.networkers:runai_load",
     "resident": resident,
     "safetensors_load": safetensors_load,
     "serialize": serialize,
     "tensorizer_load": tensorizer_load,
     "tensorstream_load": tensorstream_load,
+    "urllib3_ranged": "bench.networkers:urllib3_ranged",
 }
+
+
+def _worker(name: str) -> Callable[[Spec], Timed]:
+    import importlib
+
+    fn = WORKERS[name]
+    if isinstance(fn, str):
+        module, _, attr = fn.partition(":")
+        fn = getattr(importlib.import_module(module), attr)
+    return fn
 
 
 # --------------------------------------------------------------------------- driver
 
 
 def _measure(spec: Spec) -> dict:
-    fn = WORKERS[spec["worker"]]
-    timed = fn(spec)
+    timed = _worker(spec["worker"])(spec)
     cache = spec["cache"]
     if cache == "cold":
         drop_page_cache()
