@@ -7,6 +7,7 @@ every failure path finishes in a few seconds.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -254,3 +255,30 @@ def test_s3_env_credentials_and_awkward_key(s3_env, s3_bucket) -> None:
     assert src.read(0, 5000) == DATA[:5000]
     assert "S3_ACCESS_KEY_ID" in src.credentials.key_source
     assert s3_env.secret_key not in repr(src.credentials)
+
+
+def test_logs_never_show_query_strings(proxied, caplog) -> None:
+    proxy, url = proxied
+    caplog.set_level(logging.DEBUG)
+    src = HttpSource(parse_uri(f"{url}?X-Amz-Signature=deadbeefcafe&X-Amz-Credential=KEYID"), FAST)
+    proxy.set_mode("status", status=503, times=1)
+    assert src.read(0, 10) == DATA[:10]
+    assert "retrying" in caplog.text  # the retry was logged...
+    assert "deadbeefcafe" not in caplog.text and "KEYID" not in caplog.text  # ...redacted
+
+
+def test_s3_secrets_never_in_reprs_or_logs(s3_server, s3_bucket, caplog) -> None:
+    from tensorstream.sources.s3 import S3Sink
+
+    caplog.set_level(logging.DEBUG, logger="tensorstream")
+    caplog.set_level(logging.DEBUG, logger="urllib3")
+    s3_server.client().put_object(Bucket=s3_bucket, Key="m.bin", Body=DATA[:1000])
+    opts = _s3_options(s3_server)
+    src = S3Source(parse_uri(f"s3://{s3_bucket}/m.bin"), opts)
+    src.read(0, 1000)
+    sink = S3Sink(parse_uri(f"s3://{s3_bucket}/out.bin"), opts)
+    sink.abort()
+    texts = [repr(src), str(src), repr(src.credentials), repr(sink), repr(opts), caplog.text]
+    for text in texts:
+        assert s3_server.secret_key not in text
+        assert "Signature=" not in text

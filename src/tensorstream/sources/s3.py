@@ -3,7 +3,7 @@
 Owns ``S3Source`` (reads) and ``S3Sink`` (writes). Reads sign each ranged GET
 with SigV4 in the ``Authorization`` header (no presigned URLs, so no signature
 ever sits in a URL or a log line) and stream it through the same engine as
-HTTP (``http.RangedHttp``): ``readinto`` straight into the caller's memory,
+HTTP (``ranged.RangedHttp``): ``readinto`` straight into the caller's memory,
 resume after a cut, bounded retries, ETag checks. Measured on SeaweedFS this
 matches boto3's own ``get_object`` streaming and reuses all the resilience.
 Writes use boto3 multipart uploads: parts upload on a small thread pool while
@@ -33,7 +33,7 @@ from tensorstream.errors import (
 )
 from tensorstream.sources.base import RangeReader, Sink, Source, StorageOptions
 from tensorstream.sources.credentials import S3Credentials, resolve_s3_credentials
-from tensorstream.sources.http import RangedHttp
+from tensorstream.sources.ranged import RangedHttp
 from tensorstream.sources.uri import ParsedURI, parse_uri
 
 __all__ = ["S3Sink", "S3Source", "object_url", "write_object"]

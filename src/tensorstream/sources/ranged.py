@@ -1,0 +1,468 @@
+"""The HTTP engine shared by the HTTP(S) and S3 sources: ranged GETs with resume.
+
+Owns ``RangedHttp``: probing an object (size, Range support, ETag, Last-Modified), ranged GETs read
+with ``readinto`` into the caller's buffer (no per-chunk ``bytes``), resuming a
+cut transfer from the last byte received, retrying 5xx and timeouts with a
+bounded budget (``retry.RetryBudget``), checking every resumed response against
+the object seen at open (``SourceChangedError``), and turning HTTP statuses into
+the ``tensorstream.errors`` tree. URLs are shown only through ``redact_uri``:
+query strings (presigned signatures) and userinfo never reach logs or errors.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import urllib3
+
+from tensorstream.errors import (
+    AccessDeniedError,
+    RangeNotSupportedError,
+    SourceChangedError,
+    SourceError,
+    SourceNotFoundError,
+    TruncatedFileError,
+)
+from tensorstream.sources.base import RangeReader, StorageOptions
+from tensorstream.sources.connection import clean_error as _clean
+from tensorstream.sources.connection import make_pool
+from tensorstream.sources.retry import TRANSIENT_STATUSES, RetryBudget
+
+__all__ = ["RANGED_READERS", "HttpRangeReader", "ObjectInfo", "RangedHttp"]
+
+_log = logging.getLogger("tensorstream.sources")
+
+#: Most bytes asked of the socket per call; bounds what is fetched again after a timeout.
+_CHUNK = 8 << 20
+#: Gaps up to this size are read and dropped; larger skips reopen at the new offset.
+_SKIP_DISCARD = 1 << 20
+#: Readers for a server with Range support; measured on nginx/SeaweedFS loopback (see report).
+RANGED_READERS = 4
+_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
+_TRANSPORT_ERRORS = (OSError, http.client.HTTPException, urllib3.exceptions.HTTPError)
+
+#: ``sign(method, headers) -> (url, headers)``: where and how to send one request.
+Signer = Callable[[str, dict[str, str]], tuple[str, dict[str, str]]]
+#: ``hook(status, body, probing) -> error or None``: backend-specific status mapping.
+ErrorHook = Callable[[int, bytes, bool], "SourceError | None"]
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the open-time probe learned about the object."""
+
+    size: int
+    supports_ranges: bool
+    etag: str | None
+    last_modified: str | None
+
+
+def _readinto(resp: urllib3.BaseHTTPResponse, view: memoryview) -> int:
+    # urllib3's own readinto() reads into a new bytes object and copies; the
+    # http.client response underneath reads straight from the socket into `view`.
+    fp = getattr(resp, "_fp", None)
+    if isinstance(fp, http.client.HTTPResponse):
+        return fp.readinto(view)
+    return resp.readinto(view)  # pragma: no cover - other urllib3 backends
+
+
+def _finish(resp: urllib3.BaseHTTPResponse | None, consumed: bool) -> None:
+    """Give the connection back: reusable only when the body was read to its end."""
+    if resp is None:
+        return
+    if not consumed:
+        resp.close()
+    resp.release_conn()
+
+
+class _Cursor:
+    """One response positioned at byte ``pos`` that serves bytes up to ``stop``."""
+
+    __slots__ = ("pos", "resp", "stop")
+
+    def __init__(self, pos: int, stop: int) -> None:
+        self.pos = pos
+        self.stop = stop
+        self.resp: urllib3.BaseHTTPResponse | None = None
+
+    def drop(self) -> None:
+        _finish(self.resp, consumed=False)
+        self.resp = None
+
+
+class RangedHttp:
+    """Ranged, resumable, validated GETs of one object; shared by HTTP and S3 sources.
+
+    Args:
+        display_uri: redacted location for messages.
+        options: timeouts, retry budget, TLS and extra headers.
+        sign: builds each request's URL and headers (S3 signs every request).
+        error_hook: maps backend error bodies (S3 XML codes) to errors first.
+        follow_redirects: follow 3xx (plain HTTP yes; signed S3 requests no).
+        assume_ranges: the backend always honours Range (S3), whatever the probe says.
+    """
+
+    def __init__(
+        self,
+        display_uri: str,
+        options: StorageOptions,
+        sign: Signer,
+        *,
+        error_hook: ErrorHook | None = None,
+        follow_redirects: bool = True,
+        assume_ranges: bool = False,
+    ) -> None:
+        self.display_uri = display_uri
+        self._options = options
+        self._sign = sign
+        self._hook = error_hook
+        self._assume_ranges = assume_ranges
+        self._pool = make_pool(options, display_uri)
+        self._timeout = urllib3.Timeout(connect=options.timeout, read=options.timeout)
+        self._retries = urllib3.Retry(
+            total=None,
+            connect=0,
+            read=0,
+            status=0,
+            other=0,
+            redirect=5 if follow_redirects else 0,
+            raise_on_redirect=follow_redirects,
+            raise_on_status=False,
+        )
+        self._info: ObjectInfo | None = None
+
+    # -- open-time probe -------------------------------------------------------
+
+    @property
+    def info(self) -> ObjectInfo:
+        if self._info is None:
+            self._info = self.probe()
+        return self._info
+
+    def probe(self) -> ObjectInfo:
+        """GET ``bytes=0-0`` to learn size, Range support and validators.
+
+        A one-byte GET rather than HEAD: presigned URLs are signed for GET only,
+        and S3 error codes come in the body, which HEAD lacks.
+
+        Raises:
+            SourceNotFoundError, AccessDeniedError, RetriesExhaustedError, SourceError.
+        """
+        budget = self._budget()
+        while True:
+            resp = self._send({"Range": "bytes=0-0"}, budget, 0)
+            if resp is None:
+                continue
+            status = resp.status
+            headers = resp.headers
+            etag = headers.get("ETag")
+            modified = headers.get("Last-Modified")
+            if status == 206:
+                match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
+                if not match or match.group(3) == "*":
+                    _finish(resp, consumed=False)
+                    raise SourceError(
+                        f"{self.display_uri} answered a Range request without a usable "
+                        f"Content-Range ({headers.get('Content-Range')!r}); cannot learn its size"
+                    )
+                resp.read()
+                _finish(resp, consumed=True)
+                info = ObjectInfo(int(match.group(3)), True, etag, modified)
+            elif status == 200:
+                length = headers.get("Content-Length")
+                _finish(resp, consumed=False)  # do not download a whole file to learn its size
+                if length is None:
+                    raise SourceError(
+                        f"{self.display_uri} sent no Content-Length and ignored Range; its size "
+                        "is unknown, so it cannot be loaded; serve it with a static file server"
+                    )
+                ranges = self._assume_ranges or (
+                    headers.get("Accept-Ranges", "").lower() == "bytes" and int(length) == 0
+                )
+                info = ObjectInfo(int(length), ranges, etag, modified)
+            elif status == 416:
+                # Only an empty object cannot satisfy bytes=0-0.
+                total = headers.get("Content-Range", "").rpartition("/")[2].strip()
+                _finish(resp, consumed=False)
+                if total not in ("0", ""):
+                    raise SourceError(f"{self.display_uri} refused bytes=0-0 (HTTP 416)")
+                info = ObjectInfo(0, True, etag, modified)
+            else:
+                self._status_failure(resp, budget, 0, probing=True)
+                continue
+            self._info = info
+            return info
+
+    # -- reads -------------------------------------------------------------------
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        """Fill ``buf`` from ``offset`` with one ranged GET (resumed if cut)."""
+        info = self.info
+        want = len(buf)
+        if offset < 0 or offset + want > info.size:
+            raise TruncatedFileError(
+                f"{self.display_uri} is {info.size} bytes; a read of {want} bytes at offset "
+                f"{offset} runs past its end; the file is truncated or the index is wrong"
+            )
+        if want == 0:
+            return
+        if not info.supports_ranges and offset != 0:
+            raise self._no_ranges(offset, want)
+        cursor = _Cursor(offset, offset + want)
+        try:
+            self._fill(cursor, buf)
+        except BaseException:
+            cursor.drop()
+            raise
+        # Range requests end exactly where we stop; a plain 200 body (no-range server) may not.
+        _finish(cursor.resp, consumed=info.supports_ranges)
+
+    def open_range(self, start: int, end: int) -> HttpRangeReader:
+        """A sequential reader over ``[start, end)`` that keeps one GET open."""
+        info = self.info
+        if not info.supports_ranges and start != 0:
+            raise self._no_ranges(start, end - start)
+        return HttpRangeReader(self, start, end)
+
+    def close(self) -> None:
+        self._pool.clear()
+
+    def _no_ranges(self, offset: int, length: int) -> RangeNotSupportedError:
+        return RangeNotSupportedError(
+            f"{self.display_uri} does not support HTTP Range requests (it answered 200 to a "
+            f"Range request), so {length} bytes at offset {offset} cannot be fetched on their "
+            "own; load it with one sequential reader (num_readers=1) or serve the file from a "
+            "server with Range support (nginx, S3)"
+        )
+
+    def _budget(self) -> RetryBudget:
+        return RetryBudget(
+            self.display_uri,
+            max_retries=self._options.max_retries,
+            deadline=self._options.retry_deadline,
+        )
+
+    def _fill(self, cursor: _Cursor, buf: memoryview) -> None:
+        """Copy the next ``len(buf)`` bytes of ``cursor`` into ``buf``, resuming as needed."""
+        budget = self._budget()
+        done = 0
+        want = len(buf)
+        while done < want:
+            if cursor.resp is None:
+                cursor.resp = self._open_at(cursor.pos, cursor.stop, budget)
+            error: BaseException | str
+            try:
+                n = _readinto(cursor.resp, buf[done : done + min(_CHUNK, want - done)])
+            except _TRANSPORT_ERRORS as exc:
+                n, error = 0, exc
+            else:
+                error = "connection closed early"
+            if n > 0:
+                done += n
+                cursor.pos += n
+                budget.progress()
+                continue
+            cursor.drop()
+            budget.fail(f"{error} (byte {cursor.pos} of range ending at {cursor.stop})", cursor.pos)
+
+    def _open_at(self, start: int, stop: int, budget: RetryBudget) -> urllib3.BaseHTTPResponse:
+        """A validated response whose next body byte is ``start``."""
+        info = self.info
+        while True:
+            if info.supports_ranges:
+                headers = {"Range": f"bytes={start}-{stop - 1}"}
+                if info.etag and not info.etag.startswith("W/"):
+                    headers["If-Match"] = info.etag
+            else:
+                headers = {}
+            resp = self._send(headers, budget, start)
+            if resp is None:
+                continue
+            status = resp.status
+            if status == 206 and info.supports_ranges:
+                self._check_same(resp, start, stop)
+                return resp
+            if status == 200 and (start == 0 or not info.supports_ranges):
+                self._check_same(resp, None, None)
+                if start:
+                    # No Range support: resuming means reading again from byte 0.
+                    try:
+                        self._discard(resp, start)
+                    except _TRANSPORT_ERRORS as exc:
+                        _finish(resp, consumed=False)
+                        budget.fail(f"{_clean(exc)} (re-reading up to byte {start})", start)
+                        continue
+                return resp
+            if status == 200:
+                _finish(resp, consumed=False)
+                raise RangeNotSupportedError(
+                    f"{self.display_uri} ignored the Range header at offset {start} (HTTP 200); "
+                    "a proxy may be stripping Range; load with one reader or bypass the proxy"
+                )
+            self._status_failure(resp, budget, start, probing=False)
+
+    def _discard(self, resp: urllib3.BaseHTTPResponse, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, _CHUNK)))
+        while n > 0:
+            got = _readinto(resp, scratch[: min(n, len(scratch))])
+            if got <= 0:
+                raise ConnectionError(f"connection closed while skipping to byte {n}")
+            n -= got
+
+    def _send(
+        self, headers: dict[str, str], budget: RetryBudget, offset: int
+    ) -> urllib3.BaseHTTPResponse | None:
+        """One GET; ``None`` after a transport error that the budget allows retrying."""
+        all_headers = {"Accept-Encoding": "identity", **dict(self._options.headers), **headers}
+        url, all_headers = self._sign("GET", all_headers)
+        try:
+            return self._pool.urlopen(
+                "GET",
+                url,
+                headers=all_headers,
+                preload_content=False,
+                decode_content=False,
+                retries=self._retries,
+                timeout=self._timeout,
+            )
+        except urllib3.exceptions.SSLError as exc:
+            raise SourceError(
+                f"TLS handshake with {self.display_uri} failed: {_clean(exc)}; if the server uses "
+                "a private CA, pass StorageOptions(ca_bundle=...)"
+            ) from exc
+        except urllib3.exceptions.MaxRetryError as exc:
+            if isinstance(exc.reason, urllib3.exceptions.SSLError):
+                raise SourceError(
+                    f"TLS handshake with {self.display_uri} failed: {_clean(exc.reason)}; if the "
+                    "server uses a private CA, pass StorageOptions(ca_bundle=...)"
+                ) from exc
+            if isinstance(exc.reason, urllib3.exceptions.ResponseError):
+                raise SourceError(f"{self.display_uri}: too many redirects") from exc
+            budget.fail(_clean(exc.reason or exc), offset)
+        except _TRANSPORT_ERRORS as exc:
+            budget.fail(_clean(exc), offset)
+        return None
+
+    def _check_same(
+        self, resp: urllib3.BaseHTTPResponse, start: int | None, stop: int | None
+    ) -> None:
+        """Refuse a response from a different version of the object, or a different range."""
+        info = self.info
+        headers = resp.headers
+        problem = None
+        etag = headers.get("ETag")
+        modified = headers.get("Last-Modified")
+        if info.etag and etag and etag != info.etag:
+            problem = f"ETag {info.etag} at open, now {etag}"
+        elif info.last_modified and modified and modified != info.last_modified:
+            problem = f"Last-Modified {info.last_modified} at open, now {modified}"
+        elif start is not None and stop is not None:
+            match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
+            if not match:
+                _finish(resp, consumed=False)
+                raise SourceError(
+                    f"{self.display_uri} answered a Range request with Content-Range "
+                    f"{headers.get('Content-Range')!r}; expected bytes {start}-{stop - 1}"
+                )
+            if match.group(3) != "*" and int(match.group(3)) != info.size:
+                problem = f"size {info.size} at open, now {match.group(3)}"
+            elif (int(match.group(1)), int(match.group(2))) != (start, stop - 1):
+                _finish(resp, consumed=False)
+                raise SourceError(
+                    f"{self.display_uri} sent bytes {match.group(1)}-{match.group(2)} when asked "
+                    f"for {start}-{stop - 1}; a caching proxy may be misbehaving"
+                )
+        else:
+            length = headers.get("Content-Length")
+            if length is not None and int(length) != info.size:
+                problem = f"size {info.size} at open, now {length}"
+        if problem:
+            _finish(resp, consumed=False)
+            raise SourceChangedError(
+                f"{self.display_uri} changed while it was being read ({problem}); the bytes "
+                "already loaded may come from the old version. Load again once the upload "
+                "finished, and do not overwrite objects that are being served"
+            )
+
+    def _status_failure(
+        self, resp: urllib3.BaseHTTPResponse, budget: RetryBudget, offset: int, *, probing: bool
+    ) -> None:
+        """Back off on a transient status; raise the mapped error on any other."""
+        status = resp.status
+        try:
+            body = resp.read(64 * 1024) if status >= 400 else b""
+        except _TRANSPORT_ERRORS:
+            body = b""
+        retry_after = resp.headers.get("Retry-After")
+        _finish(resp, consumed=False)
+        if self._hook is not None:
+            mapped = self._hook(status, body, probing)
+            if mapped is not None:
+                raise mapped
+        if status in TRANSIENT_STATUSES:
+            delay = float(retry_after) if retry_after and retry_after.isdigit() else None
+            budget.fail(f"HTTP {status}", offset, retry_after=delay)
+            return
+        raise self._status_error(status, offset, probing)
+
+    def _status_error(self, status: int, offset: int, probing: bool) -> SourceError:
+        uri = self.display_uri
+        if status in (401, 403):
+            return AccessDeniedError(
+                f"{uri}: access denied (HTTP {status}); check the URL, its signature or expiry, "
+                "and any authorization header passed in StorageOptions.headers"
+            )
+        if status in (404, 410) and probing:
+            return SourceNotFoundError(f"{uri} not found (HTTP {status}); check the URL")
+        if status in (404, 410, 412, 416):
+            return SourceChangedError(
+                f"{uri} changed or disappeared while it was being read (HTTP {status} at byte "
+                f"offset {offset}); load again once the object is stable"
+            )
+        return SourceError(f"{uri}: unexpected HTTP {status} at byte offset {offset}")
+
+
+class HttpRangeReader(RangeReader):
+    """Sequential reads over ``[start, end)`` served by one long-lived ranged GET."""
+
+    def __init__(self, http_: RangedHttp, start: int, end: int) -> None:
+        self._http = http_
+        self._end = end
+        self._cursor = _Cursor(start, min(end, http_.info.size))
+
+    @property
+    def position(self) -> int:
+        return self._cursor.pos
+
+    def readinto_exact(self, buf: memoryview) -> None:
+        pos, want, size = self._cursor.pos, len(buf), self._http.info.size
+        if pos + want > self._end or pos + want > size:
+            limit, what = (self._end, "range") if self._end <= size else (size, "file")
+            raise TruncatedFileError(
+                f"read of {want} bytes at offset {pos} runs past the end of the {what} "
+                f"(byte {limit}) in {self._http.display_uri}; the file is truncated"
+            )
+        if want:
+            self._http._fill(self._cursor, buf)
+
+    def skip(self, n: int) -> None:
+        cursor = self._cursor
+        if n <= 0:
+            return
+        if cursor.resp is not None and n <= _SKIP_DISCARD:
+            super().skip(n)
+            return
+        if not self._http.info.supports_ranges:
+            super().skip(n)  # no way to jump: read through
+            return
+        cursor.drop()
+        cursor.pos += n
+
+    def close(self) -> None:
+        cursor = self._cursor
+        _finish(cursor.resp, consumed=cursor.pos >= cursor.stop and self._http.info.supports_ranges)
+        cursor.resp = None
