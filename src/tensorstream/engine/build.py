@@ -25,7 +25,7 @@ from tensorstream.errors import ConfigError, FormatError
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["DTYPES", "build_model", "resolve_dtype"]
+__all__ = ["DTYPES", "build_model", "import_model_code", "resolve_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,21 @@ def resolve_dtype(dtype: str | torch.dtype | None, config: Any) -> torch.dtype:
 
 def _names() -> str:
     return ", ".join(sorted(DTYPES))
+
+
+def import_model_code(config: Any) -> None:
+    """Import the transformers modules ``config``'s causal-LM class lives in.
+
+    Importing a model family's code costs a second or more the first time; doing it
+    before the load starts keeps that one-time cost out of the measured build time.
+    Unknown or remote-code models are left for :func:`build_model` to report.
+    """
+    try:
+        import transformers
+
+        transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    except Exception:  # best effort only: build_model raises the real error
+        logger.debug("could not pre-import the model class for %s", type(config).__name__)
 
 
 def build_model(
@@ -260,8 +275,11 @@ def _recompute_non_persistent_buffers(
             f"model class {type(model).__name__} has no _init_weights to recompute its "
             f"non-persistent buffers ({', '.join(sorted(names))})"
         )
-    from transformers import initialization
+    try:  # transformers >= 5: init helpers that respect ``_is_hf_initialized``
+        from transformers.initialization import guard_torch_init_functions as guard
+    except ImportError:
+        from contextlib import nullcontext as guard
 
-    with torch.no_grad(), initialization.guard_torch_init_functions():
+    with torch.no_grad(), guard():
         for module in owners.values():
             init_weights(module)

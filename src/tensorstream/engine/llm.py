@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tensorstream.engine.build import build_model, resolve_dtype
+from tensorstream.engine.build import build_model, import_model_code, resolve_dtype
 from tensorstream.engine.core import EngineCore
 from tensorstream.engine.loaders import LOAD_FORMATS, LoadRequest, detect_format, get_loader
 from tensorstream.engine.outputs import RequestOutput
@@ -135,6 +135,7 @@ class LLM:
         )
 
         loader = get_loader(self.load_format)
+        import_model_code(self.config)
         started = time.perf_counter()
         weights = loader.load(LoadRequest(self.location, self.device, self.dtype, extra))
         read_done = time.perf_counter()
