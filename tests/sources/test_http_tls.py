@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import urllib3  # noqa: F401 - named in a warning filter
 
 from tensorstream.errors import ConfigError, SourceError
 from tensorstream.sources import connection
@@ -29,7 +30,14 @@ pytestmark = pytest.mark.integration
 DATA = bytes(range(256)) * 400
 
 
+SEEN_HEADERS: list[dict[str, str]] = []
+
+
 class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def do_GET(self) -> None:
+        SEEN_HEADERS.append(dict(self.headers.items()))
+        super().do_GET()
+
     def log_message(self, format: str, *args: object) -> None:
         pass
 
@@ -93,6 +101,7 @@ def test_ca_bundle_directory(tls_site, tmp_path) -> None:
     assert src.read(0, 100) == DATA[:100]
 
 
+@pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")
 def test_verify_tls_false_warns_once(tls_site, monkeypatch) -> None:
     url, _ = tls_site
     monkeypatch.setattr(connection, "_insecure_warned", False)
@@ -110,3 +119,14 @@ def test_missing_ca_bundle_is_config_error(tls_site, tmp_path) -> None:
     url, _ = tls_site
     with pytest.raises(ConfigError, match="ca_bundle"):
         open_source(url, StorageOptions(ca_bundle=str(tmp_path / "nope.pem")))
+
+
+def test_extra_headers_are_sent(tls_site) -> None:
+    url, cert = tls_site
+    SEEN_HEADERS.clear()
+    opts = StorageOptions(ca_bundle=str(cert), headers=(("Authorization", "Bearer tok-123"),))
+    src = open_source(url, opts)
+    assert src.read(0, 5) == DATA[:5]
+    assert "tok-123" not in repr(src) and "tok-123" not in repr(opts)
+    assert SEEN_HEADERS and all(h.get("Authorization") == "Bearer tok-123" for h in SEEN_HEADERS)
+    assert all(h.get("Accept-Encoding") == "identity" for h in SEEN_HEADERS)

@@ -73,6 +73,18 @@ def test_cut_inside_open_range_stream_resumes(proxied) -> None:
     assert proxy.stats.faults == 2
 
 
+def test_connections_are_reused(proxied) -> None:
+    proxy, url = proxied
+    src = HttpSource(parse_uri(url), FAST)
+    for offset in (0, 5000, 1 << 20, SIZE - 7):
+        assert src.read(offset, 7) == DATA[offset : offset + 7]
+    with src.open_range(100, 300) as reader:  # read to its end: connection goes back
+        reader.readinto_exact(memoryview(bytearray(200)))
+    assert src.read(9, 9) == DATA[9:18]
+    assert proxy.stats.connections == 1
+    assert proxy.stats.requests == 7  # probe + 6 ranged GETs
+
+
 def test_503_twice_then_success(proxied) -> None:
     proxy, url = proxied
     src = HttpSource(parse_uri(url), FAST)
@@ -133,6 +145,7 @@ def test_server_without_range_support(http_server, served) -> None:
     assert src.preferred_readers == 1
     assert src.size == SIZE
     assert src.read(0, 100) == DATA[:100]
+    assert src.read(0, 200) == DATA[:200]  # the half-read connection was not reused
     with pytest.raises(RangeNotSupportedError, match="Range"):
         src.read(100, 10)
     with pytest.raises(RangeNotSupportedError):

@@ -70,11 +70,17 @@ def _readinto(resp: urllib3.BaseHTTPResponse, view: memoryview) -> int:
     return resp.readinto(view)  # pragma: no cover - other urllib3 backends
 
 
-def _finish(resp: urllib3.BaseHTTPResponse | None, consumed: bool) -> None:
-    """Give the connection back: reusable only when the body was read to its end."""
+def _finish(resp: urllib3.BaseHTTPResponse | None) -> None:
+    """Give the connection back: reused only when the body was read to its end.
+
+    A connection with unread body bytes (an abandoned range, a 200 to a Range
+    request, an error page read in part) is closed, never pooled dirty.
+    """
     if resp is None:
         return
-    if not consumed:
+    fp = getattr(resp, "_fp", None)
+    # http.client drops its fp once Content-Length bytes were read.
+    if not (isinstance(fp, http.client.HTTPResponse) and fp.isclosed()):
         resp.close()
     resp.release_conn()
 
@@ -90,7 +96,7 @@ class _Cursor:
         self.resp: urllib3.BaseHTTPResponse | None = None
 
     def drop(self) -> None:
-        _finish(self.resp, consumed=False)
+        _finish(self.resp)
         self.resp = None
 
 
@@ -164,17 +170,17 @@ class RangedHttp:
             if status == 206:
                 match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
                 if not match or match.group(3) == "*":
-                    _finish(resp, consumed=False)
+                    _finish(resp)
                     raise SourceError(
                         f"{self.display_uri} answered a Range request without a usable "
                         f"Content-Range ({headers.get('Content-Range')!r}); cannot learn its size"
                     )
                 resp.read()
-                _finish(resp, consumed=True)
+                _finish(resp)
                 info = ObjectInfo(int(match.group(3)), True, etag, modified)
             elif status == 200:
                 length = headers.get("Content-Length")
-                _finish(resp, consumed=False)  # do not download a whole file to learn its size
+                _finish(resp)  # do not download a whole file to learn its size
                 if length is None:
                     raise SourceError(
                         f"{self.display_uri} sent no Content-Length and ignored Range; its size "
@@ -187,7 +193,7 @@ class RangedHttp:
             elif status == 416:
                 # Only an empty object cannot satisfy bytes=0-0.
                 total = headers.get("Content-Range", "").rpartition("/")[2].strip()
-                _finish(resp, consumed=False)
+                _finish(resp)
                 if total not in ("0", ""):
                     raise SourceError(f"{self.display_uri} refused bytes=0-0 (HTTP 416)")
                 info = ObjectInfo(0, True, etag, modified)
@@ -218,8 +224,7 @@ class RangedHttp:
         except BaseException:
             cursor.drop()
             raise
-        # Range requests end exactly where we stop; a plain 200 body (no-range server) may not.
-        _finish(cursor.resp, consumed=info.supports_ranges)
+        _finish(cursor.resp)  # a 200 body longer than the read is closed, not pooled
 
     def open_range(self, start: int, end: int) -> HttpRangeReader:
         """A sequential reader over ``[start, end)`` that keeps one GET open."""
@@ -293,12 +298,12 @@ class RangedHttp:
                     try:
                         self._discard(resp, start)
                     except _TRANSPORT_ERRORS as exc:
-                        _finish(resp, consumed=False)
+                        _finish(resp)
                         budget.fail(f"{_clean(exc)} (re-reading up to byte {start})", start)
                         continue
                 return resp
             if status == 200:
-                _finish(resp, consumed=False)
+                _finish(resp)
                 raise RangeNotSupportedError(
                     f"{self.display_uri} ignored the Range header at offset {start} (HTTP 200); "
                     "a proxy may be stripping Range; load with one reader or bypass the proxy"
@@ -363,7 +368,7 @@ class RangedHttp:
         elif start is not None and stop is not None:
             match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
             if not match:
-                _finish(resp, consumed=False)
+                _finish(resp)
                 raise SourceError(
                     f"{self.display_uri} answered a Range request with Content-Range "
                     f"{headers.get('Content-Range')!r}; expected bytes {start}-{stop - 1}"
@@ -371,7 +376,7 @@ class RangedHttp:
             if match.group(3) != "*" and int(match.group(3)) != info.size:
                 problem = f"size {info.size} at open, now {match.group(3)}"
             elif (int(match.group(1)), int(match.group(2))) != (start, stop - 1):
-                _finish(resp, consumed=False)
+                _finish(resp)
                 raise SourceError(
                     f"{self.display_uri} sent bytes {match.group(1)}-{match.group(2)} when asked "
                     f"for {start}-{stop - 1}; a caching proxy may be misbehaving"
@@ -381,7 +386,7 @@ class RangedHttp:
             if length is not None and int(length) != info.size:
                 problem = f"size {info.size} at open, now {length}"
         if problem:
-            _finish(resp, consumed=False)
+            _finish(resp)
             raise SourceChangedError(
                 f"{self.display_uri} changed while it was being read ({problem}); the bytes "
                 "already loaded may come from the old version. Load again once the upload "
@@ -398,7 +403,7 @@ class RangedHttp:
         except _TRANSPORT_ERRORS:
             body = b""
         retry_after = resp.headers.get("Retry-After")
-        _finish(resp, consumed=False)
+        _finish(resp)
         if self._hook is not None:
             mapped = self._hook(status, body, probing)
             if mapped is not None:
@@ -464,5 +469,5 @@ class HttpRangeReader(RangeReader):
 
     def close(self) -> None:
         cursor = self._cursor
-        _finish(cursor.resp, consumed=cursor.pos >= cursor.stop and self._http.info.supports_ranges)
+        _finish(cursor.resp)
         cursor.resp = None
