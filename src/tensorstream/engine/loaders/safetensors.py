@@ -108,7 +108,7 @@ class SafetensorsLoader(WeightLoader):
         for path in safetensors_files(directory):
             try:
                 with safe_open(str(path), framework="pt", device=str(device)) as handle:
-                    for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    for name in handle.keys():
                         tensor = handle.get_tensor(name)
                         nbytes += tensor.nbytes
                         if device.type == "cpu":
