@@ -21,6 +21,7 @@ from tensorstream.errors import (
     SourceChangedError,
     SourceNotFoundError,
 )
+from tensorstream.sources import ranged
 from tensorstream.sources.base import StorageOptions
 from tensorstream.sources.http import HttpSource
 from tensorstream.sources.registry import open_source
@@ -139,25 +140,27 @@ def test_missing_is_not_found(http_server) -> None:
     assert isinstance(info.value, FileNotFoundError)
 
 
-def test_server_without_range_support(http_server, served) -> None:
+def test_server_without_range_support(http_server, served, monkeypatch) -> None:
+    monkeypatch.setattr(ranged, "NORANGE_PREFIX", 1 << 20)
     src = open_source(http_server.norange_url(served))
     assert src.supports_ranges is False
     assert src.preferred_readers == 1
     assert src.size == SIZE
     assert src.read(0, 100) == DATA[:100]
     assert src.read(0, 200) == DATA[:200]  # the half-read connection was not reused
+    assert src.read(73, 1000) == DATA[73:1073]  # early reads: from byte 0, prefix dropped
     with pytest.raises(RangeNotSupportedError, match="Range"):
-        src.read(100, 10)
+        src.read((1 << 20) + 1, 10)
     with pytest.raises(RangeNotSupportedError):
-        src.open_range(5, 10)
-    with src.open_range(0, SIZE) as reader:  # one plain GET, read in order
+        src.open_range(2 << 20, SIZE)
+    with src.open_range(1000, SIZE) as reader:  # one plain GET, read in order
         buf = bytearray(1000)
         reader.readinto_exact(memoryview(buf))
-        assert buf == DATA[:1000]
+        assert buf == DATA[1000:2000]
         reader.skip(2 << 20)
-        rest = bytearray(SIZE - 1000 - (2 << 20))
+        rest = bytearray(SIZE - 2000 - (2 << 20))
         reader.readinto_exact(memoryview(rest))
-        assert rest == DATA[1000 + (2 << 20) :]
+        assert rest == DATA[2000 + (2 << 20) :]
 
 
 def test_no_range_server_resumes_by_rereading(http_server, fault_proxy, served) -> None:

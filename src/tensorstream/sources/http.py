@@ -46,7 +46,12 @@ class HttpSource(Source):
 
     @property
     def supports_ranges(self) -> bool:
-        """False when the server ignores Range: only one sequential reader from byte 0 works."""
+        """False when the server ignores Range.
+
+        Then only one sequential reader works: ``open_range``/``read_into`` starting in
+        the first ``ranged.NORANGE_PREFIX`` bytes (16 MiB) are served by a GET from byte
+        0; later starts raise ``RangeNotSupportedError``.
+        """
         return self._info.supports_ranges
 
     @property

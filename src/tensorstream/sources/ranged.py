@@ -32,7 +32,7 @@ from tensorstream.sources.connection import clean_error as _clean
 from tensorstream.sources.connection import make_pool
 from tensorstream.sources.retry import TRANSIENT_STATUSES, RetryBudget
 
-__all__ = ["RANGED_READERS", "HttpRangeReader", "ObjectInfo", "RangedHttp"]
+__all__ = ["NORANGE_PREFIX", "RANGED_READERS", "HttpRangeReader", "ObjectInfo", "RangedHttp"]
 
 _log = logging.getLogger("tensorstream.sources")
 
@@ -40,6 +40,9 @@ _log = logging.getLogger("tensorstream.sources")
 _CHUNK = 8 << 20
 #: Gaps up to this size are read and dropped; larger skips reopen at the new offset.
 _SKIP_DISCARD = 1 << 20
+#: On a server without Range, reads starting this early are served by a GET from byte 0
+#: that drops the bytes before them (file headers, indexes, the single reader's stream).
+NORANGE_PREFIX = 16 << 20
 #: Readers for a server with Range support; measured on nginx/SeaweedFS loopback (see report).
 RANGED_READERS = 4
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
@@ -216,7 +219,7 @@ class RangedHttp:
             )
         if want == 0:
             return
-        if not info.supports_ranges and offset != 0:
+        if not info.supports_ranges and offset > NORANGE_PREFIX:
             raise self._no_ranges(offset, want)
         cursor = _Cursor(offset, offset + want)
         try:
@@ -229,7 +232,7 @@ class RangedHttp:
     def open_range(self, start: int, end: int) -> HttpRangeReader:
         """A sequential reader over ``[start, end)`` that keeps one GET open."""
         info = self.info
-        if not info.supports_ranges and start != 0:
+        if not info.supports_ranges and start > NORANGE_PREFIX:
             raise self._no_ranges(start, end - start)
         return HttpRangeReader(self, start, end)
 
@@ -240,8 +243,9 @@ class RangedHttp:
         return RangeNotSupportedError(
             f"{self.display_uri} does not support HTTP Range requests (it answered 200 to a "
             f"Range request), so {length} bytes at offset {offset} cannot be fetched on their "
-            "own; load it with one sequential reader (num_readers=1) or serve the file from a "
-            "server with Range support (nginx, S3)"
+            f"own (only reads starting in the first {NORANGE_PREFIX} bytes can, by reading from "
+            "byte 0); load it with one sequential reader (num_readers=1) or serve the file from "
+            "a server with Range support (nginx, S3)"
         )
 
     def _budget(self) -> RetryBudget:
