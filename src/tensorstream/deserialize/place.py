@@ -1,0 +1,133 @@
+"""Where loaded bytes live: a private map of the page cache, fresh CPU tensors, or
+device tensors filled through pinned staging buffers with overlapping copies."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from tensorstream.deserialize.index import TensorRecord
+from tensorstream.deserialize.plan import ReadRange
+from tensorstream.sources.base import Source
+
+__all__ = ["FileMap", "StagedCopier", "byte_view", "empty_for"]
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+_PAGE = mmap.PAGESIZE
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable flat byte view of a contiguous CPU tensor's memory."""
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def empty_for(record: TensorRecord, device: torch.device, pin: bool = False) -> torch.Tensor:
+    return torch.empty(record.shape, dtype=record.dtype, device=device, pin_memory=pin)
+
+
+class FileMap:
+    """A copy-on-write private mapping of a local file, shared by the tensors viewing it.
+
+    Tensors are views of the page cache: no fresh memory, no copy. Writes to them stay
+    private to this process. The mapping lives as long as any tensor uses it.
+    """
+
+    def __init__(self, source: Source) -> None:
+        fileno = getattr(source, "fileno", None)
+        fd = fileno if isinstance(fileno, int) else os.open(source.local_path, os.O_RDONLY)
+        self._map = mmap.mmap(
+            fd, source.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+        if fd is not fileno:
+            os.close(fd)
+        self._base = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._populate_ok = True
+
+    @staticmethod
+    def can_view(record: TensorRecord) -> bool:
+        """Torch needs element-aligned storage offsets to view the bytes in place."""
+        return record.data_offset % max(1, record.dtype.itemsize) == 0
+
+    def tensor(self, record: TensorRecord) -> torch.Tensor:
+        raw = self._base[record.data_offset : record.end]
+        return raw.view(record.dtype).reshape(record.shape)
+
+    def bytes_at(self, offset: int, length: int) -> memoryview:
+        return memoryview(self._map)[offset : offset + length]
+
+    def populate(self, offset: int, length: int) -> None:
+        """Fault the range in now (and read it from disk if cold), in this thread."""
+        if length <= 0 or not self._populate_ok:
+            return
+        start = offset - offset % _PAGE
+        try:
+            self._map.madvise(_MADV_POPULATE_READ, start, offset + length - start)
+        except OSError:
+            # Older kernels: touching one byte per page does the same.
+            self._populate_ok = False
+        if not self._populate_ok:
+            view = self._base[offset : offset + length]
+            int(view[::_PAGE].sum())
+
+
+class StagedCopier:
+    """Per-reader double-buffered staging for device targets.
+
+    Bytes are read into one pinned host buffer while the previous one is copied to the
+    device asynchronously on the reader's own stream; a buffer is reused only after its
+    copy has finished. Written device-agnostic; on CPU it degrades to plain copies.
+    """
+
+    def __init__(self, device: torch.device, size: int) -> None:
+        self.device = device
+        accel = device.type != "cpu"
+        self._module = getattr(torch, device.type) if accel else None
+        pin = accel and torch.cuda.is_available() if device.type == "cuda" else False
+        self.buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+        self.views = [byte_view(b) for b in self.buffers]
+        self.events: list[object | None] = [None, None]
+        self.stream = self._module.Stream(device) if self._module is not None else None
+        self.turn = 0
+        self.size = size
+
+    def next_buffer(self) -> tuple[int, memoryview]:
+        i = self.turn
+        self.turn ^= 1
+        event = self.events[i]
+        if event is not None:
+            event.synchronize()  # type: ignore[attr-defined]
+            self.events[i] = None
+        return i, self.views[i]
+
+    def copy_out(self, i: int, n: int, dest: torch.Tensor, dest_offset: int) -> None:
+        """Copy ``n`` staged bytes into ``dest``'s bytes at ``dest_offset``."""
+        target = dest.reshape(-1).view(torch.uint8)[dest_offset : dest_offset + n]
+        src = self.buffers[i][:n]
+        if self.stream is None:
+            target.copy_(src)
+            return
+        with self._module.stream(self.stream):  # type: ignore[union-attr]
+            target.copy_(src, non_blocking=True)
+            event = self._module.Event()  # type: ignore[union-attr]
+            event.record(self.stream)
+        self.events[i] = event
+
+    def finish(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()
+
+
+def staging_size(plan: Sequence[Sequence[ReadRange]], limit: int, quantum: int) -> int:
+    """Buffer size: no larger than the biggest range, a multiple of ``quantum``."""
+    largest = max((r.size for ranges in plan for r in ranges), default=quantum)
+    size = min(limit, largest)
+    return max(quantum, -(-size // quantum) * quantum)
+
+
+_local = threading.local()
