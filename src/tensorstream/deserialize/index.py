@@ -32,13 +32,26 @@ __all__ = ["TensorIndex", "TensorRecord", "read_index"]
 TENSORIZER, SAFETENSORS = "tensorizer", "safetensors"
 
 _SAFETENSORS_DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
-    "I32": torch.int32, "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F32": torch.float32, "F64": torch.float64, "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
-for _code, _name in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"),
-                     ("F8_E8M0", "float8_e8m0fnu")):
+for _code, _name in (
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+    ("U64", "uint64"),
+    ("F8_E8M0", "float8_e8m0fnu"),
+):
     if isinstance(getattr(torch, _name, None), torch.dtype):
         _SAFETENSORS_DTYPES[_code] = getattr(torch, _name)
 
@@ -164,8 +177,15 @@ def _read_tensorizer(source: Source, head: bytes, where: str, size: int) -> Tens
         position = e.end
         records.append(
             TensorRecord(
-                key, e.raw_name, e.tensor_type, dtype, e.shape, e.header_offset,
-                e.data_offset, e.data_length, e.long_shape,
+                key,
+                e.raw_name,
+                e.tensor_type,
+                dtype,
+                e.shape,
+                e.header_offset,
+                e.data_offset,
+                e.data_length,
+                e.long_shape,
             )
         )
     if records and size < position + 8:
@@ -206,8 +226,14 @@ def _read_safetensors(source: Source, head: bytes, where: str, size: int) -> Ten
             )
         records.append(
             TensorRecord(
-                name, name.encode(), TENSOR_TYPE_STATE_DICT, dtype, shape, base + begin,
-                base + begin, end - begin,
+                name,
+                name.encode(),
+                TENSOR_TYPE_STATE_DICT,
+                dtype,
+                shape,
+                base + begin,
+                base + begin,
+                end - begin,
             )
         )
     records.sort(key=lambda r: r.data_offset)

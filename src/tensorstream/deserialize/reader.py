@@ -285,9 +285,7 @@ class TensorDeserializer(Mapping[Any, Any]):
                 dests.append(None)
             else:
                 dests.append(empty_for(r, torch.device("cpu")))
-            headers.append(
-                bytearray(r.header_size) if r.header_size and (fmap is None) else None
-            )
+            headers.append(bytearray(r.header_size) if r.header_size and (fmap is None) else None)
         data_views = [byte_view(d) if d is not None else None for d in dests]
 
         def route(seg: Segment) -> memoryview | None:
@@ -358,8 +356,17 @@ class TensorDeserializer(Mapping[Any, Any]):
                             if seg.part == "header":
                                 stream.readinto_exact(memoryview(headers[seg.record]))
                                 continue
-                            self._stage_data(stream, copier, r, seg, headers[seg.record],
-                                             dests[seg.record], need_host, quantum, progress)
+                            self._stage_data(
+                                stream,
+                                copier,
+                                r,
+                                seg,
+                                headers[seg.record],
+                                dests[seg.record],
+                                need_host,
+                                quantum,
+                                progress,
+                            )
                 copier.finish()
             except BaseException as exc:
                 errors.append(exc)
@@ -371,14 +378,21 @@ class TensorDeserializer(Mapping[Any, Any]):
             t.join()
         if errors:
             raise errors[0]
-        for r, d, h in zip(records, dests, headers):
+        for r, d, h in zip(records, dests, headers, strict=True):
             if r.is_meta or not need_host:
                 self._check(r, h if r.header_size else None)
             self._finish(r, d)
 
     def _stage_data(
-        self, stream: Any, copier: StagedCopier, r: TensorRecord, seg: Segment,
-        header: bytearray, dest: torch.Tensor, need_host: bool, quantum: int,
+        self,
+        stream: Any,
+        copier: StagedCopier,
+        r: TensorRecord,
+        seg: Segment,
+        header: bytearray,
+        dest: torch.Tensor,
+        need_host: bool,
+        quantum: int,
         progress: ByteProgress,
     ) -> None:
         parsed = self._check(r, header) if (need_host and seg.dest_offset == 0) else None
@@ -425,14 +439,17 @@ class TensorDeserializer(Mapping[Any, Any]):
 
     def _subtree(self, prefix: tuple[Any, ...]) -> Any:
         found = [
-            r for r in self._records
-            if isinstance(r.key, tuple) and r.key[: len(prefix)] == prefix and len(r.key) > len(prefix)
+            r
+            for r in self._records
+            if isinstance(r.key, tuple)
+            and r.key[: len(prefix)] == prefix
+            and len(r.key) > len(prefix)
         ]
         if not found:
             return None
         if self._lazy:
             self._load(found)
-        return _freeze(_nest({r.key[len(prefix):]: self._get(r.key) for r in found}))
+        return _freeze(_nest({r.key[len(prefix) :]: self._get(r.key) for r in found}))
 
     def _top_keys(self) -> list[Any]:
         seen: dict[Any, None] = {}
@@ -473,12 +490,14 @@ class TensorDeserializer(Mapping[Any, Any]):
     ) -> Any:
         """The tensors as nested dicts/lists (structured names) under ``prefix``."""
         items = {}
-        pre: tuple[Any, ...] = () if prefix is None else (prefix if isinstance(prefix, tuple) else (prefix,))
+        pre: tuple[Any, ...] = (
+            () if prefix is None else (prefix if isinstance(prefix, tuple) else (prefix,))
+        )
         for r in self._records:
             path = r.key if isinstance(r.key, tuple) else (r.key,)
             if path[: len(pre)] != pre or (filter_func is not None and not filter_func(r.key)):
                 continue
-            items[path[len(pre):]] = r.key
+            items[path[len(pre) :]] = r.key
         if not items:
             if default is not None:
                 return default

@@ -92,9 +92,13 @@ def decode_name(raw: bytes) -> str | tuple[str | int, ...]:
             path = json.loads(raw[1:].decode("ascii"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise FormatError(f"malformed structured tensor name {raw!r}") from exc
-        if not isinstance(path, list) or not path or not all(
-            isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and p >= 0)
-            for p in path
+        if (
+            not isinstance(path, list)
+            or not path
+            or not all(
+                isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and p >= 0)
+                for p in path
+            )
         ):
             raise FormatError(f"malformed structured tensor name {raw!r}")
         return tuple(path)
@@ -126,7 +130,9 @@ class FileHeader:
 
 def has_crypt_info(version: int, flags: int) -> bool:
     """Whether tensor headers carry a CryptInfo block (v3 always; v4+ by flag)."""
-    return version == VERSION_ENCRYPTED or (version >= VERSION_META and bool(flags & FLAG_ENCRYPTED))
+    return version == VERSION_ENCRYPTED or (
+        version >= VERSION_META and bool(flags & FLAG_ENCRYPTED)
+    )
 
 
 def pack_file_header(header: FileHeader) -> bytes:
@@ -266,8 +272,14 @@ def unpack_metadata(
                 raise FormatError(f"{where}: tensor {raw_name!r} has unknown type {tensor_type}")
             entries.append(
                 IndexEntry(
-                    raw_name, tensor_type, dtype, tuple(shape),
-                    header_offset, data_offset, data_length, long_shape,
+                    raw_name,
+                    tensor_type,
+                    dtype,
+                    tuple(shape),
+                    header_offset,
+                    data_offset,
+                    data_length,
+                    long_shape,
                 )
             )
     except (struct.error, UnicodeDecodeError) as exc:
@@ -314,8 +326,18 @@ def _fixed_header_size(
     dims = 8 if long_shape else 4
     hash_section = 1 + sum(2 + _HASH_LENGTHS[t] for t in hash_types)
     return (
-        8 + 2 + 1 + 2 + len(raw_name) + 1 + len(dtype.encode("utf-8"))
-        + 1 + dims * len(shape) + 2 + hash_section + 8
+        8
+        + 2
+        + 1
+        + 2
+        + len(raw_name)
+        + 1
+        + len(dtype.encode("utf-8"))
+        + 1
+        + dims * len(shape)
+        + 2
+        + hash_section
+        + 8
     )
 
 
@@ -429,6 +451,14 @@ def unpack_tensor_header(
     except (struct.error, UnicodeDecodeError) as exc:
         raise TruncatedFileError(f"{where} is malformed or cut short") from exc
     return TensorHeader(
-        module_idx, tensor_type, raw_name, dtype, tuple(shape), hashes, crypt_body,
-        data_length, tuple(spans), crypt_span,
+        module_idx,
+        tensor_type,
+        raw_name,
+        dtype,
+        tuple(shape),
+        hashes,
+        crypt_body,
+        data_length,
+        tuple(spans),
+        crypt_span,
     )

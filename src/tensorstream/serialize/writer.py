@@ -278,8 +278,15 @@ class TensorSerializer:
             if self._encryptor is not None:
                 crypt_len = self._encryptor.crypt_info_len(nbytes if encrypted else None)
             layout = place_record(
-                position, p.raw_name, dtype, shape, nbytes, hash_types, crypt_len,
-                long_shape, self._align,
+                position,
+                p.raw_name,
+                dtype,
+                shape,
+                nbytes,
+                hash_types,
+                crypt_len,
+                long_shape,
+                self._align,
             )
             position = layout.end
             records.append(
@@ -287,8 +294,14 @@ class TensorSerializer:
             )
             self._entries.append(
                 IndexEntry(
-                    p.raw_name, p.tensor_type, dtype, shape, layout.header_offset,
-                    layout.data_offset, nbytes, long_shape,
+                    p.raw_name,
+                    p.tensor_type,
+                    dtype,
+                    shape,
+                    layout.header_offset,
+                    layout.data_offset,
+                    nbytes,
+                    long_shape,
                 )
             )
             self._tensor_size += nbytes
@@ -369,9 +382,7 @@ class TensorSerializer:
                 encoded = self._submit_encode(record, data)
                 writes: list[Future[Any]] = []
                 if pwrite is not None and record.layout.data_length and not record.encrypted:
-                    writes.append(
-                        self._pool.submit(pwrite, record.layout.data_offset, data)
-                    )
+                    writes.append(self._pool.submit(pwrite, record.layout.data_offset, data))
                 elif pwrite is not None and record.encrypted:
                     writes.append(
                         self._pool.submit(
@@ -392,13 +403,13 @@ class TensorSerializer:
         finally:
             progress.close()
 
-    def _submit_encode(
-        self, record: _Record, data: memoryview
-    ) -> Future[tuple[bytes, memoryview]]:
+    def _submit_encode(self, record: _Record, data: memoryview) -> Future[tuple[bytes, memoryview]]:
         layout = record.layout
         pending = record.pending
         hash_types = hash_types_for(record.encrypted and layout.data_length > 0)
-        zero_header = bytes(
+        # The hashes cover the header with hash values zeroed and the CryptInfo cut out,
+        # but its size field still counts the CryptInfo.
+        zero_header = bytearray(
             pack_tensor_header(
                 module_idx=pending.module_idx,
                 tensor_type=pending.tensor_type,
@@ -411,12 +422,16 @@ class TensorSerializer:
                 padding=layout.padding,
             )
         )
+        struct.pack_into("<Q", zero_header, 0, layout.header_size)
+        zero_header = bytes(zero_header)
         crc_f: Future[int] | None = None
         sha_f: Future[bytes]
         if HASH_CRC32 in hash_types and len(data) >= _SPLIT_HASH_BYTES:
             crc_f = self._pool.submit(_crc32, zero_header, data)
         sha_f = self._pool.submit(
-            _sha256_and_maybe_crc, zero_header, data,
+            _sha256_and_maybe_crc,
+            zero_header,
+            data,
             HASH_CRC32 in hash_types and crc_f is None,
         )
         encryptor = self._encryptor

@@ -24,8 +24,14 @@ class ByteProgress:
                 tqdm = None
             if tqdm is not None:
                 self._bar = tqdm(
-                    total=total, desc=label, unit="B", unit_scale=True, unit_divisor=1000,
-                    file=sys.stderr, dynamic_ncols=True, leave=True,
+                    total=total,
+                    desc=label,
+                    unit="B",
+                    unit_scale=True,
+                    unit_divisor=1000,
+                    file=sys.stderr,
+                    dynamic_ncols=True,
+                    leave=True,
                     bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} "
                     "[{elapsed}<{remaining}, {rate_fmt}]",
                 )
