@@ -40,11 +40,35 @@ class RecordDecryptor:
     def _label(self, record: TensorRecord) -> str:
         return f"tensor {record.name!r} of {self._where} (data at offset {record.data_offset})"
 
-    def decrypt(self, record: TensorRecord, parsed: TensorHeader, data: memoryview) -> None:
+    def decrypt(
+        self,
+        record: TensorRecord,
+        parsed: TensorHeader,
+        data: memoryview,
+        *,
+        key_verified: bool = False,
+    ) -> None:
+        """Verify and decrypt one tensor in place.
+
+        ``key_verified`` (the manifest confirmed the key) turns a MAC failure into a
+        clear "the data was modified" rather than "wrong key, or modified".
+        """
         info = self._info(record, parsed)
         label = self._label(record)
         key = self._params.key_for(info.key_derivation, label=label)
-        self._crypto.open_tensor(data, info, key, label=label, executor=self._crypto.shared_pool())
+        try:
+            self._crypto.open_tensor(
+                data, info, key, label=label, executor=self._crypto.shared_pool()
+            )
+        except DecryptionError as exc:
+            if not key_verified:
+                raise
+            head = str(exc).partition(": the MAC does not match")[0]
+            raise DecryptionError(
+                f"{head}: the MAC does not match although the key is right (it was verified "
+                "against the manifest), so the encrypted data was modified or corrupted after "
+                "it was written; re-download or re-serialize the file"
+            ) from None
 
     def decrypt_piece(
         self, record: TensorRecord, parsed: TensorHeader, piece: memoryview, offset: int

@@ -116,6 +116,10 @@ class TensorSerializer:
             file without copying; tensorizer reads it unchanged. ``1`` reproduces
             tensorizer's output byte for byte.
         progress: show a progress bar with bytes and GB/s.
+        manifest: write an authenticated manifest beside the file (``<target>.manifest``,
+            see ``tensorstream.crypto.manifest``) binding every tensor's name, dtype,
+            shape, offsets and MACs. ``None`` (default): yes when encrypting to a path or
+            URI. ``True``: required (encryption only). A path or URI: write it there.
 
     Example:
         >>> with TensorSerializer("model.tensors") as s:    # doctest: +SKIP
@@ -131,6 +135,7 @@ class TensorSerializer:
         storage: StorageOptions | None = None,
         align: int = 64,
         progress: bool = False,
+        manifest: bool | str | os.PathLike[str] | None = None,
     ) -> None:
         if align < 1 or align & (align - 1):
             raise ConfigError(f"align must be a power of two >= 1, got {align}")
@@ -145,6 +150,10 @@ class TensorSerializer:
         else:
             raise ConfigError(f"cannot write to {type(target).__name__}; give a path or URI")
         self._encryptor = _make_encryptor(encryption)
+        self._manifest_uri = _manifest_target(target, encryption, manifest)
+        self._storage = storage
+        self._encryption = encryption
+        self._headers: list[bytes] | None = [] if self._manifest_uri else None
         self._align = align
         self._workers = limit_cpu_concurrency or os.cpu_count() or 1
         self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="tensorstream-hash")
@@ -203,7 +212,9 @@ class TensorSerializer:
         try:
             self._ensure_prefix(0)
             self._sink.write(struct.pack("<Q", 0))
-            self._sink.patch(0, self._prefix_bytes())
+            prefix = self._prefix_bytes()
+            manifest = self._manifest_bytes(prefix)
+            self._sink.patch(0, prefix)
             self._sink.commit()
         except BaseException:
             self.abort()
@@ -211,6 +222,34 @@ class TensorSerializer:
         finally:
             self._closed = True
             self._pool.shutdown(wait=True)
+        if manifest is not None:
+            from tensorstream.crypto.manifest import write_manifest
+
+            assert self._manifest_uri is not None
+            try:
+                write_manifest(self._manifest_uri, manifest, self._storage)
+            except Exception as exc:
+                raise SerializationError(
+                    f"{self._sink.display_uri} was written, but its manifest could not be "
+                    f"stored at {self._manifest_uri}: {exc}. Readers that require the "
+                    "manifest will refuse the file; write it again"
+                ) from exc
+
+    def _manifest_bytes(self, prefix: bytes) -> bytes | None:
+        if self._headers is None:
+            return None
+        from tensorstream.crypto.manifest import build_manifest
+        from tensorstream.formats.tensorizer import unpack_file_header
+
+        params = self._encryption
+        return build_manifest(
+            params.key,
+            params.key_derivation,
+            unpack_file_header(prefix),
+            self._position + 8,
+            self._entries,
+            self._headers,
+        )
 
     def abort(self) -> None:
         """Discard the file being written; nothing appears at the target."""
@@ -360,6 +399,8 @@ class TensorSerializer:
             nonlocal inflight_copy
             record, encoded, writes = window.popleft()
             header, payload = encoded.result()
+            if self._headers is not None:
+                self._headers.append(header)
             if pwrite is not None:
                 pwrite(record.layout.header_offset, header)
                 for w in writes:
@@ -529,6 +570,31 @@ def _metadata_bytes(
         total += tag + 2 + len(p.raw_name) + 2 + len(dtype.encode()) + 1
         total += (8 if long_shape else 4) * len(shape) + 24
     return total
+
+
+def _manifest_target(target: Any, encryption: Any, manifest: Any) -> str | None:
+    """Where the manifest goes, or ``None`` for no manifest."""
+    if manifest is None:
+        if encryption is None or not isinstance(target, (str, os.PathLike)):
+            return None
+        manifest = True
+    if manifest is False:
+        return None
+    if encryption is None:
+        raise ConfigError(
+            "a manifest is authenticated with the encryption key; pass encryption= too, "
+            "or drop manifest="
+        )
+    if manifest is True:
+        if not isinstance(target, (str, os.PathLike)):
+            raise ConfigError(
+                "manifest=True needs a path or URI target to write '<target>.manifest' "
+                "beside; pass manifest='<where to write it>' instead"
+            )
+        from tensorstream.crypto.manifest import manifest_uri_for
+
+        return manifest_uri_for(target)
+    return os.fspath(manifest)
 
 
 def _make_encryptor(encryption: Any) -> Any:
