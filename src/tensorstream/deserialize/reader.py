@@ -114,11 +114,18 @@ class TensorDeserializer(Mapping[Any, Any]):
         use_mmap: for CPU loads of local files, view the page cache instead of copying
             (default ``True``). Set ``False`` to get independent memory.
         progress: draw a progress bar with bytes and GB/s.
+        manifest: the authenticated manifest of an encrypted file (see
+            ``tensorstream.crypto.manifest``). ``None`` (default): use
+            ``<source>.manifest`` when it exists. A path/URI or ``bytes``: use that.
+            ``False``: ignore any manifest. When used, it is verified (MAC, then the
+            whole index) before any tensor is read, and each tensor header as it is read.
+        require_manifest: refuse to load without a manifest (``ManifestError``).
 
     Raises:
         FormatError, TruncatedFileError: not a valid file, or cut short.
         HashMismatchError: with ``verify_hash``, a tensor's bytes are not what was written.
         KeyRequiredError / NotEncryptedError / DecryptionError: key problems.
+        ManifestError: the file does not match its manifest, or a required one is missing.
         SourceError: the storage failed.
 
     Example:
@@ -140,6 +147,8 @@ class TensorDeserializer(Mapping[Any, Any]):
         storage: StorageOptions | None = None,
         use_mmap: bool = True,
         progress: bool = False,
+        manifest: str | os.PathLike[str] | bytes | bool | None = None,
+        require_manifest: bool = False,
     ) -> None:
         if num_readers is not None and num_readers < 1:
             raise ConfigError(f"num_readers must be >= 1 or None, got {num_readers}")
@@ -157,6 +166,9 @@ class TensorDeserializer(Mapping[Any, Any]):
             self._num_readers = num_readers
             self._use_mmap = use_mmap
             self._decryptor = self._check_encryption(encryption)
+            self._manifest = self._check_manifest(
+                source, manifest, require_manifest, storage, encryption
+            )
             self._records = self._select(filter_func)
             self._by_key = {r.key: r for r in self._records}
             self._tensors: dict[Any, torch.nn.Parameter] = {}
@@ -191,6 +203,49 @@ class TensorDeserializer(Mapping[Any, Any]):
         from tensorstream.deserialize.decrypt import RecordDecryptor
 
         return RecordDecryptor(encryption, where)
+
+    def _check_manifest(
+        self, source: Any, manifest: Any, required: bool, storage: Any, encryption: Any
+    ) -> Any:
+        """Load and verify the manifest (MAC, then the index) before any tensor is read."""
+        from tensorstream.crypto import manifest as mf
+
+        where = self._source.display_uri
+        if manifest is False:
+            if required:
+                raise ConfigError("require_manifest=True contradicts manifest=False")
+            return None
+        if encryption is None:
+            if required or manifest is not None:
+                from tensorstream.errors import ManifestError
+
+                raise ManifestError(
+                    f"a manifest is authenticated with the decryption key, but {where} is "
+                    "loaded without one; pass encryption=DecryptionParams..."
+                )
+            return None
+        if isinstance(manifest, (bytes, bytearray, memoryview)):
+            data: bytes | None = bytes(manifest)
+        elif manifest is not None and manifest is not True:
+            data = mf.load_manifest(manifest, storage)
+        elif isinstance(source, (str, os.PathLike)):
+            data = mf.load_manifest(mf.manifest_uri_for(source), storage, missing_ok=not required)
+        elif required or manifest is True:
+            raise ConfigError(
+                f"cannot find the manifest of {where} (not a path or URI); pass manifest="
+            )
+        else:
+            data = None
+        if data is None:
+            log.debug(
+                "%s has no manifest; tensor names, shapes and order are unauthenticated", where
+            )
+            return None
+        verified = mf.Manifest.verify(data, encryption, where=where)
+        verified.check_index(self._index)
+        self._positions = {r.header_offset: i for i, r in enumerate(self._index.records)}
+        log.debug("%s: manifest verified (%d tensors)", where, len(verified.tensors))
+        return verified
 
     def _select(self, filter_func: FilterFunc | None) -> list[TensorRecord]:
         records = list(self._index.records)
@@ -253,7 +308,11 @@ class TensorDeserializer(Mapping[Any, Any]):
     ) -> TensorHeader | None:
         if header is None or not self._index.has_headers:
             return None
-        return check_header(self._index, record, header, self._source.display_uri)
+        parsed = check_header(self._index, record, header, self._source.display_uri)
+        if self._manifest is not None:
+            position = self._positions[record.header_offset]
+            self._manifest.check_header(position, record, header, parsed)
+        return parsed
 
     def _post(
         self,
@@ -265,7 +324,7 @@ class TensorDeserializer(Mapping[Any, Any]):
         """Header check, decryption in place, then hash check of the plaintext."""
         parsed = self._check(record, header)
         if parsed is not None and self._decryptor is not None and record.data_length:
-            self._decryptor.decrypt(record, parsed, data)
+            self._decryptor.decrypt(record, parsed, data, key_verified=self._manifest is not None)
         if verify and parsed is not None:
             verify_hashes(record, parsed, header, data, self._source.display_uri)  # type: ignore[arg-type]
             self._verified.add(record.key)
