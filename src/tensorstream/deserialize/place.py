@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -14,7 +13,7 @@ from tensorstream.deserialize.index import TensorRecord
 from tensorstream.deserialize.plan import ReadRange
 from tensorstream.sources.base import Source
 
-__all__ = ["FileMap", "StagedCopier", "byte_view", "empty_for"]
+__all__ = ["FileMap", "StagedCopier", "byte_view", "empty_for", "staging_size"]
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _PAGE = mmap.PAGESIZE
@@ -128,6 +127,3 @@ def staging_size(plan: Sequence[Sequence[ReadRange]], limit: int, quantum: int) 
     largest = max((r.size for ranges in plan for r in ranges), default=quantum)
     size = min(limit, largest)
     return max(quantum, -(-size // quantum) * quantum)
-
-
-_local = threading.local()

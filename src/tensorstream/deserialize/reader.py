@@ -25,7 +25,13 @@ import torch
 
 from tensorstream.deserialize.fetch import Completion, run_readers
 from tensorstream.deserialize.index import TensorIndex, TensorRecord, read_index
-from tensorstream.deserialize.place import FileMap, StagedCopier, byte_view, empty_for
+from tensorstream.deserialize.place import (
+    FileMap,
+    StagedCopier,
+    byte_view,
+    empty_for,
+    staging_size,
+)
 from tensorstream.deserialize.plan import Segment, plan_ranges
 from tensorstream.deserialize.verify import check_header, verify_hashes
 from tensorstream.errors import (
@@ -47,6 +53,8 @@ log = logging.getLogger("tensorstream")
 
 FilterFunc = Callable[[Any], bool]
 _STAGING_BYTES = 32 << 20
+#: Lazily loaded tensors smaller than this are fetched by one reader (one ranged GET).
+_LAZY_SPLIT_BYTES = 64 << 20
 
 
 class _FileObjectSource(Source):
@@ -102,7 +110,9 @@ class TensorDeserializer(Mapping[Any, Any]):
 
     Args:
         source: path, ``file://``, ``http(s)://`` or ``s3://`` URI, a ``Source``, a
-            seekable binary file object, or ``bytes``.
+            seekable binary file object, or ``bytes``. A ``*.index.json`` of a sharded
+            safetensors checkpoint (or a local directory holding
+            ``model.safetensors.index.json``) returns a ``ShardedDeserializer`` instead.
         device: target device; ``None`` means CUDA when available, else CPU.
         num_readers: parallel readers; ``None`` picks the source's preferred count.
         verify_hash: check every tensor's SHA-256 (or CRC32) while loading.
@@ -132,6 +142,18 @@ class TensorDeserializer(Mapping[Any, Any]):
         >>> with TensorDeserializer("model.tensors", device="cpu") as d:  # doctest: +SKIP
         ...     d.load_into_module(model)
     """
+
+    #: Tests set this to run the device (staged) path on CPU.
+    _force_staged = False
+
+    def __new__(cls, source: Any = None, *args: Any, **kwargs: Any) -> Any:
+        # A sharded checkpoint's index (or a directory holding one) is several files:
+        # hand back a ShardedDeserializer, which has the same mapping surface.
+        from tensorstream.deserialize.sharded import ShardedDeserializer, find_index
+
+        if cls is TensorDeserializer and find_index(source) is not None:
+            return ShardedDeserializer(source, *args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -179,6 +201,7 @@ class TensorDeserializer(Mapping[Any, Any]):
             self._file_map: FileMap | None = None
             self.total_bytes_read = 0
             self.load_seconds = 0.0
+            self._warned_norange = False
             if not lazy_load:
                 self._load(self._records)
         except BaseException:
@@ -263,21 +286,25 @@ class TensorDeserializer(Mapping[Any, Any]):
 
     def _readers_for(self, nbytes: int) -> int:
         n = self._num_readers or self._source.preferred_readers
-        supports = getattr(self._source, "supports_ranges", True)
-        if not supports and n > 1:
-            if self._num_readers:
-                from tensorstream.errors import RangeNotSupportedError
+        if self._lazy and nbytes < _LAZY_SPLIT_BYTES:
+            n = 1  # one ranged GET of header plus data per lazily loaded tensor
+        if getattr(self._source, "supports_ranges", True):
+            return max(1, n)
+        if self._num_readers is not None and self._num_readers > 1:
+            from tensorstream.errors import RangeNotSupportedError
 
-                raise RangeNotSupportedError(
-                    f"{self._source.display_uri} does not support HTTP Range requests, so "
-                    f"num_readers={self._num_readers} cannot work; use num_readers=1"
-                )
+            raise RangeNotSupportedError(
+                f"{self._source.display_uri} does not support HTTP Range requests, so "
+                f"num_readers={self._num_readers} cannot work; use num_readers=1 (or None) "
+                "or serve the file from a server with Range support"
+            )
+        if self._num_readers is None and not self._warned_norange:
+            self._warned_norange = True
             log.warning(
-                "%s does not support range requests; loading with one reader",
+                "%s does not support HTTP Range requests; loading with one sequential reader",
                 self._source.display_uri,
             )
-            n = 1
-        return max(1, n)
+        return 1
 
     def _load(self, records: list[TensorRecord]) -> None:
         records = [r for r in records if r.key not in self._tensors]
@@ -287,7 +314,7 @@ class TensorDeserializer(Mapping[Any, Any]):
         nbytes = sum(r.data_length for r in records)
         progress = ByteProgress(nbytes, "load", enabled=self._progress)
         try:
-            if self._device.type == "cpu":
+            if self._device.type == "cpu" and not self._force_staged:
                 mapped = self._use_mmap and self._source.local_path and self._decryptor is None
                 self._load_cpu(records, bool(mapped), progress)
             else:
@@ -394,9 +421,10 @@ class TensorDeserializer(Mapping[Any, Any]):
         ]
         headers = [bytearray(r.header_size) for r in records]
         need_host = self._verify or self._decryptor is not None
-        plan = plan_ranges(records, self._readers_for(0), split_records=not need_host)
-        quantum = 2 << 20
-        staging = _STAGING_BYTES
+        nbytes = sum(r.header_size + r.data_length for r in records)
+        plan = plan_ranges(records, self._readers_for(nbytes), split_records=not need_host)
+        quantum = 2 << 20  # whole 2 MiB crypt chunks per staged piece
+        staging = staging_size(plan, _STAGING_BYTES, quantum)
         errors: list[BaseException] = []
 
         def reader(ranges: list) -> None:
