@@ -5,6 +5,7 @@ local disk, HTTP(S) and S3, into CPU or GPU memory.
 """
 
 from tensorstream.deserialize.reader import TensorDeserializer
+from tensorstream.deserialize.sharded import ShardedDeserializer
 from tensorstream.formats.tensorizer import (
     TENSOR_TYPE_BUFFER,
     TENSOR_TYPE_PARAM,
@@ -25,6 +26,7 @@ class TensorType:
 
 
 __all__ = [
+    "ShardedDeserializer",
     "StorageOptions",
     "TensorDeserializer",
     "TensorSerializer",

@@ -38,6 +38,8 @@ class StorageOptions:
     s3_unsigned: bool = False
     #: "auto" (path-style for custom endpoints, virtual-host on AWS), "path" or "virtual".
     s3_addressing: str = "auto"
+    #: Bytes per part of an S3 multipart upload (>= 5 MiB); host memory is a few parts.
+    s3_part_size: int = 16 << 20
     #: CA bundle file or directory for HTTPS; None means the system store.
     ca_bundle: str | None = None
     #: Set False to skip TLS verification (explicit opt-in; never the default).

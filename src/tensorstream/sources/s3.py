@@ -43,7 +43,6 @@ _log = logging.getLogger("tensorstream.sources")
 #: Readers for S3; measured on SeaweedFS loopback (see report); real S3 scales further.
 _S3_READERS = 4
 _MIB = 1 << 20
-_DEFAULT_PART = 16 * _MIB
 #: S3's minimum for every part but the last (tests lower it to keep uploads small).
 _MIN_PART = 5 * _MIB
 #: The first part, kept in memory for ``patch``, is at least this big.
@@ -321,7 +320,7 @@ class S3Sink(Sink):
     Args:
         uri: parsed ``s3://bucket/key``.
         options: credentials, endpoint, timeouts, retries, TLS.
-        part_size: bytes per part (>= 5 MiB).
+        part_size: bytes per part (>= 5 MiB); default ``options.s3_part_size``.
 
     Raises:
         ConfigError: no key, or a part size below S3's minimum.
@@ -338,9 +337,10 @@ class S3Sink(Sink):
         uri: ParsedURI,
         options: StorageOptions | None = None,
         *,
-        part_size: int = _DEFAULT_PART,
+        part_size: int | None = None,
     ) -> None:
         opts = options or StorageOptions()
+        part_size = part_size or opts.s3_part_size
         if not uri.key or uri.key.endswith("/"):
             raise ConfigError(f"{uri.display} names no object; expected s3://bucket/key")
         if part_size < _MIN_PART:
