@@ -63,6 +63,7 @@ class _Request:
     generator: torch.Generator | None
     prompt_tensor: torch.Tensor
     sequences: list[_Sequence] = field(default_factory=list)
+    adapter: str | None = None  # LoRA adapter name inside the model; None = base model
 
     def output(self) -> RequestOutput:
         outputs = [s.output() for s in self.sequences]
@@ -93,6 +94,8 @@ class EngineCore:
         max_model_len: most tokens (prompt + output) per sequence.
         eos_token_ids: ids that end a sequence unless ``ignore_eos``.
         seed: seeds the generator of requests that bring no seed of their own.
+        lora_manager: a :class:`~tensorstream.engine.lora.LoRAManager` over ``model``;
+            without one, requests with a ``lora_request`` are refused.
     """
 
     def __init__(
@@ -103,8 +106,10 @@ class EngineCore:
         max_model_len: int,
         eos_token_ids: set[int],
         seed: int | None = None,
+        lora_manager: Any = None,
     ) -> None:
         self.model = model
+        self.lora_manager = lora_manager
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -130,14 +135,24 @@ class EngineCore:
         *,
         prompt: str | None = None,
         request_id: str | None = None,
+        lora_request: Any = None,
     ) -> str:
         """Queue a request; it is prefilled at the next :meth:`step`.
+
+        Args:
+            prompt_token_ids: the prompt's tokens.
+            params: how to sample.
+            prompt: the prompt's text, echoed in outputs.
+            request_id: an id of the caller's choosing; default a counter.
+            lora_request: a ``LoRARequest`` whose adapter this request uses (loaded on
+                first use, kept loaded while the request runs).
 
         Returns:
             The request id.
 
         Raises:
-            ConfigError: empty prompt, a prompt that fills the context, or a duplicate id.
+            ConfigError: empty prompt, a prompt that fills the context, a duplicate id,
+                or a ``lora_request`` without LoRA support (or an unusable adapter).
         """
         if not prompt_token_ids:
             raise ConfigError("the prompt is empty; give at least one token")
@@ -149,6 +164,14 @@ class EngineCore:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self._requests:
             raise ConfigError(f"request id {request_id!r} is already running")
+        adapter = None
+        if lora_request is not None:
+            if self.lora_manager is None:
+                raise ConfigError(
+                    "a lora_request was given but LoRA is not enabled; build the LLM with "
+                    "enable_lora=True (vllm serve: --enable-lora)"
+                )
+            adapter = self.lora_manager.acquire(lora_request)
         request = _Request(
             request_id,
             prompt,
@@ -156,6 +179,7 @@ class EngineCore:
             params,
             self._generator_for(params),
             torch.tensor(prompt_token_ids, dtype=torch.long, device=self.device),
+            adapter=adapter,
         )
         request.sequences = [
             _Sequence(request, i, logprobs=[] if params.logprobs is not None else None)
@@ -170,6 +194,7 @@ class EngineCore:
         request = self._requests.pop(request_id, None)
         if request is None:
             return
+        self._release(request)
         if request in self._waiting:
             self._waiting.remove(request)
         for seq in request.sequences:
@@ -212,10 +237,23 @@ class EngineCore:
         outputs = [request.output() for request in touched.values()]
         for out in outputs:
             if out.finished:
-                self._requests.pop(out.request_id, None)
+                request = self._requests.pop(out.request_id, None)
+                if request is not None:
+                    self._release(request)
         return outputs
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _release(self, request: _Request) -> None:
+        if request.adapter is not None and self.lora_manager is not None:
+            self.lora_manager.release(request.adapter)
+            request.adapter = None
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        cache: Any,
+        adapters: list[str | None],
+    ) -> torch.Tensor:
         kwargs: dict[str, Any] = {
             "input_ids": input_ids,
             "attention_mask": mask,
@@ -229,7 +267,10 @@ class EngineCore:
             kwargs["position_ids"] = positions[:, -input_ids.shape[1] :]
         if self._keep_last:
             kwargs["logits_to_keep"] = 1
-        return self.model(**kwargs).logits[:, -1, :]
+        if self.lora_manager is None:
+            return self.model(**kwargs).logits[:, -1, :]
+        with self.lora_manager.activate(adapters):  # row i uses adapters[i]
+            return self.model(**kwargs).logits[:, -1, :]
 
     def _prefill(self, requests: list[_Request], touched: dict[str, _Request]) -> None:
         from transformers import DynamicCache
@@ -243,7 +284,7 @@ class EngineCore:
             mask[row, width - n :] = 1
         input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(input_ids, mask, cache)
+        logits = self._forward(input_ids, mask, cache, [r.adapter for r in requests])
         # n > 1: every completion of a prompt starts from that prompt's cache row.
         rows = [row for row, request in enumerate(requests) for _ in request.sequences]
         sequences = [seq for request in requests for seq in request.sequences]
@@ -260,7 +301,8 @@ class EngineCore:
         cohort.mask = torch.cat(
             [cohort.mask, cohort.mask.new_ones((cohort.mask.shape[0], 1))], dim=1
         )
-        logits = self._forward(last, cohort.mask, cohort.cache)
+        adapters = [seq.request.adapter for seq in cohort.sequences]
+        logits = self._forward(last, cohort.mask, cohort.cache, adapters)
         self._sample(cohort, logits, touched)
 
     def _sample(self, cohort: _Cohort, logits: torch.Tensor, touched: dict[str, _Request]) -> None:

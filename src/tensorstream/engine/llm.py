@@ -74,8 +74,9 @@ class LLM:
         load_format: "auto" (``model.tensors`` -> tensorizer, ``*.safetensors`` -> safetensors),
             "tensorizer" or "safetensors".
         dtype: "auto" (the config's dtype), "float16", "bfloat16", "float32", or a torch dtype.
-        enable_lora: reserve LoRA support (adapters come with ``tensorstream.engine.lora``).
-        max_loras: adapters active at once.
+        enable_lora: accept ``lora_request`` arguments (adapters are applied with peft,
+            chosen per request, several in one batch).
+        max_loras: adapters loaded at once (the least recently used idle one is evicted).
         max_lora_rank: highest adapter rank accepted.
         model_loader_extra_config: loader options, a dict or a JSON string (tensorizer keys:
             ``tensorizer_uri``, ``num_readers``, ``verify_hash``, ``encryption_keyfile``...).
@@ -126,7 +127,9 @@ class LLM:
         self.max_lora_rank = max_lora_rank
         self.device = torch.device(device) if device is not None else _default_device()
 
-        self.location: ModelLocation = resolve_model(model, revision=revision)
+        self.location: ModelLocation = resolve_model(
+            model, revision=revision, storage=_storage_from_extra(extra)
+        )
         self.config = _load_config(self.location.files_dir, trust_remote_code)
         self.tokenizer = _load_tokenizer(tokenizer or self.location.files_dir, trust_remote_code)
         self.dtype = resolve_dtype(dtype, self.config)
@@ -169,13 +172,58 @@ class LLM:
             stats.build_seconds,
         )
         self.max_model_len = _context_length(self.config, max_model_len)
+        self.lora_manager = self._lora_manager(extra) if self.enable_lora else None
         self.engine = EngineCore(
             self.model,
             self.tokenizer,
             max_model_len=self.max_model_len,
             eos_token_ids=_eos_ids(self.location.files_dir, self.config, self.tokenizer),
             seed=seed,
+            lora_manager=self.lora_manager,
         )
+
+    def _lora_manager(self, extra: Mapping[str, Any]) -> Any:
+        from tensorstream.engine.lora import AdapterOptions, LoRAManager
+
+        # Adapters beside an encrypted model use the model's key and storage by default.
+        nested = extra.get("tensorizer_config")
+        flat = {**extra, **(nested if isinstance(nested, Mapping) else {})}
+        keys = ("encryption_keyfile", "s3_access_key_id", "s3_secret_access_key", "s3_endpoint")
+        defaults = AdapterOptions.from_config({k: flat[k] for k in keys if flat.get(k)})
+        return LoRAManager(
+            self.model,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            defaults=defaults,
+        )
+
+    def add_lora(self, lora_request: Any) -> bool:
+        """Load an adapter now (otherwise it loads on first use).
+
+        Returns:
+            True.
+
+        Raises:
+            ConfigError: LoRA is not enabled, or the adapter does not fit the model.
+        """
+        self._require_lora()
+        self.lora_manager.add(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Unload an adapter by ``lora_int_id``; False when it was not loaded."""
+        self._require_lora()
+        return self.lora_manager.remove(lora_id)
+
+    def list_loras(self) -> set[int]:
+        """Ids of the loaded adapters."""
+        return self.lora_manager.list() if self.lora_manager is not None else set()
+
+    def _require_lora(self) -> None:
+        if self.lora_manager is None:
+            raise ConfigError(
+                "LoRA is not enabled; build the LLM with enable_lora=True to use adapters"
+            )
 
     @property
     def model_name(self) -> str:
@@ -199,7 +247,8 @@ class LLM:
             prompts: a string, a list of token ids, a ``{"prompt": ...}`` /
                 ``{"prompt_token_ids": [...]}`` dict, or a list of those.
             sampling_params: one for all prompts, or one per prompt; default ``SamplingParams()``.
-            lora_request: an adapter to apply (needs ``enable_lora=True``).
+            lora_request: a ``LoRARequest`` for every prompt, or a list with one per
+                prompt (None entries use the base model); needs ``enable_lora=True``.
             use_tqdm: show a progress bar of finished requests (needs tqdm).
 
         Returns:
@@ -276,12 +325,18 @@ class LLM:
         lora_request: Any,
         use_tqdm: bool,
     ) -> list[RequestOutput]:
-        if lora_request is not None:
-            if not self.enable_lora:
+        if lora_request is not None and not self.enable_lora:
+            raise ConfigError(
+                "a lora_request was given but the LLM was built without enable_lora=True"
+            )
+        if isinstance(lora_request, (list, tuple)):
+            loras = list(lora_request)
+            if len(loras) != len(encoded):
                 raise ConfigError(
-                    "a lora_request was given but the LLM was built without enable_lora=True"
+                    f"got {len(loras)} lora_requests for {len(encoded)} prompts; give one, or one per prompt"
                 )
-            raise ConfigError("LoRA adapters are not supported by this version of the engine yet")
+        else:
+            loras = [lora_request] * len(encoded)
         if sampling_params is None:
             params_list = [SamplingParams()] * len(encoded)
         elif isinstance(sampling_params, SamplingParams):
@@ -292,13 +347,12 @@ class LLM:
                 raise ConfigError(
                     f"got {len(params_list)} sampling_params for {len(encoded)} prompts; give one, or one per prompt"
                 )
-        ids = [
-            self.engine.add_request(tokens, params, prompt=text)
-            for (text, tokens), params in zip(encoded, params_list, strict=True)
-        ]
+        ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
-        bar = _progress(len(ids)) if use_tqdm else None
+        bar = _progress(len(encoded)) if use_tqdm else None
         try:
+            for (text, tokens), params, lora in zip(encoded, params_list, loras, strict=True):
+                ids.append(self.engine.add_request(tokens, params, prompt=text, lora_request=lora))
             while len(finished) < len(ids):
                 for out in self.engine.step():
                     if out.finished:
@@ -317,6 +371,19 @@ class LLM:
 
 def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _storage_from_extra(extra: Mapping[str, Any]) -> Any:
+    """``StorageOptions`` from the S3 keys of the extra config (flat or nested); None if absent."""
+    nested = extra.get("tensorizer_config")
+    flat = {**extra, **(nested if isinstance(nested, Mapping) else {})}
+    keys = ("s3_access_key_id", "s3_secret_access_key", "s3_endpoint")
+    values = {k: flat[k] for k in keys if flat.get(k)}
+    if not values:
+        return None
+    from tensorstream.sources.base import StorageOptions
+
+    return StorageOptions(**values)
 
 
 def _parse_extra(extra: Mapping[str, Any] | str | None) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 ``resolve_model`` answers two questions: where are the small files
 (``config.json``, tokenizer, chat template) as a *local* directory, and where
-do the weights live (a local directory today; a remote URI once remote sources
-are wired through :func:`fetch_model_files`).
+do the weights live (a local directory, or the remote ``s3://`` / ``http(s)://``
+directory itself, whose small files :func:`fetch_model_files` copies into a
+local cache).
 
 Order: an existing local directory is used as is; the built-in model's id or
 alias is materialised from the bundled GGUF; a ``scheme://`` URI goes through
@@ -19,8 +20,16 @@ from pathlib import Path
 
 from tensorstream.engine.builtin import BUILTIN_MODEL_ID, is_builtin, materialize_builtin
 from tensorstream.errors import ConfigError, SourceNotFoundError
+from tensorstream.sources.base import StorageOptions
 
-__all__ = ["ModelLocation", "fetch_model_files", "hub_offline", "resolve_model"]
+__all__ = [
+    "REMOTE_MODEL_FILES",
+    "ModelLocation",
+    "fetch_model_files",
+    "hub_offline",
+    "remote_cache_dir",
+    "resolve_model",
+]
 
 # Weight files are never needed to read config and tokenizer.
 _HUB_IGNORE = ["*.pt", "*.bin", "*.pth", "*.gguf", "*.msgpack", "*.h5", "*.onnx"]
@@ -51,38 +60,104 @@ def hub_offline() -> bool:
     )
 
 
-def fetch_model_files(uri: str) -> Path:
+#: Small files fetched from a remote model directory (remote directories cannot be listed).
+REMOTE_MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
+
+
+def remote_cache_dir(uri: str) -> Path:
+    """Where the small files of the remote model at ``uri`` are cached locally."""
+    import hashlib
+
+    root = os.environ.get("TENSORSTREAM_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "tensorstream"
+    digest = hashlib.sha256(uri.rstrip("/").encode()).hexdigest()[:16]
+    return base / "remote" / digest
+
+
+def fetch_model_files(uri: str, storage: StorageOptions | None = None) -> Path:
     """Return a local directory with the config/tokenizer files of the model at ``uri``.
 
-    Only local directories (plain paths and ``file://``) are handled today; remote
-    schemes are reached through ``tensorstream.sources`` once wired.
+    Local directories (plain paths and ``file://``) are returned as they are. For
+    ``s3://`` and ``http(s)://`` directories the files named in
+    :data:`REMOTE_MODEL_FILES` are fetched (those that exist) into a fresh cache
+    directory (:func:`remote_cache_dir`), replacing the previous copy, so a model
+    re-serialized under the same URI is never paired with stale config files.
 
     Args:
-        uri: a directory path or ``file://`` URI.
+        uri: a directory path or URI.
+        storage: credentials and endpoints for remote storage.
 
     Returns:
         A local directory.
 
     Raises:
-        SourceNotFoundError: the directory does not exist.
-        ConfigError: the scheme is not supported yet.
+        SourceNotFoundError: the directory (or its remote ``config.json``) does not exist.
+        ConfigError: the scheme is not supported.
     """
-    from tensorstream.sources.uri import parse_uri
+    import shutil
+    import tempfile
+
+    from tensorstream.sources.registry import open_source
+    from tensorstream.sources.uri import join_uri, parse_uri
 
     parsed = parse_uri(uri)
-    if parsed.scheme != "file":
+    if parsed.scheme == "file":
+        path = Path(parsed.target)
+        if not path.is_dir():
+            raise SourceNotFoundError(f"model directory {path} does not exist")
+        return path
+    if parsed.scheme not in ("s3", "http", "https"):
         raise ConfigError(
-            f"cannot fetch model files from {parsed.display}: {parsed.scheme}:// models are not "
-            "supported by this version yet; copy the directory locally and pass its path"
+            f"cannot fetch model files from {parsed.display}: unsupported scheme "
+            f"{parsed.scheme!r}; use a local path, s3:// or http(s)://"
         )
-    path = Path(parsed.target)
-    if not path.is_dir():
-        raise SourceNotFoundError(f"model directory {path} does not exist")
-    return path
+    target = remote_cache_dir(uri)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".fetch-", dir=target.parent))
+    try:
+        for name in REMOTE_MODEL_FILES:
+            file_uri = join_uri(uri, name)
+            try:
+                with open_source(file_uri, storage) as source:
+                    data = source.read(0, source.size) if source.size else b""
+            except SourceNotFoundError:
+                if name == "config.json":
+                    raise SourceNotFoundError(
+                        f"no config.json at {parsed.display}; a remote model directory needs "
+                        "the Hugging Face config beside model.tensors (serialize it with "
+                        "`tensorstream tensorize`, which copies it)"
+                    ) from None
+                continue
+            (tmp / name).write_bytes(data)
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def resolve_model(
-    name_or_path: str | os.PathLike[str], *, revision: str | None = None
+    name_or_path: str | os.PathLike[str],
+    *,
+    revision: str | None = None,
+    storage: StorageOptions | None = None,
 ) -> ModelLocation:
     """Find a model's files.
 
@@ -90,6 +165,7 @@ def resolve_model(
         name_or_path: local directory, ``file://``/``s3://``/``http(s)://`` URI, the built-in
             model's id or alias (``smollm2-135m``), or a Hugging Face Hub id.
         revision: Hub revision (branch, tag or commit) for Hub ids.
+        storage: credentials and endpoints for ``s3://`` / ``http(s)://`` models.
 
     Returns:
         A :class:`ModelLocation`.
@@ -110,7 +186,7 @@ def resolve_model(
         path = materialize_builtin()
         return ModelLocation(BUILTIN_MODEL_ID, path, str(path), "builtin")
     if "://" in raw:
-        files = fetch_model_files(raw)
+        files = fetch_model_files(raw, storage)
         kind = "local" if raw.startswith("file://") else "remote"
         return ModelLocation(raw, files, str(files) if kind == "local" else raw, kind)
     if _looks_like_path(raw):
