@@ -220,8 +220,8 @@ def render_markdown(summary: dict, meta: dict) -> str:
         elif op == "serialize":
             out += [f"### Serialize to {source} disk", "",
                     "Tensors are resident before timing. *until close()* is what the writer's "
-                    "`close()` takes (tensorizer does not fsync; the local sink of tensorstream "
-                    "fsyncs before its atomic rename); the harness then fsyncs the file, and "
+                    "`close()` takes; the harness then fsyncs the file (*fsync after*: near zero "
+                    "when the writer already made it durable, as tensorizer 2.12.1 does not), and "
                     "*durable GB/s* counts both.", ""]  # fmt: skip
             out += _serialize_table(gs) + [""]
         elif op == "touch":
@@ -259,7 +259,8 @@ def write_plot(summary: dict, path: Path, source: str = "local") -> Path | None:
     if not gs:
         return None
     caches = [c for c in ("warm", "cold") if any(g["cache"] == c for g in gs)]
-    fig, axes = plt.subplots(1, len(caches), figsize=(6.5 * len(caches), 0.45 * len(gs) + 1.5),
+    rows = max(sum(1 for g in gs if g["cache"] == c) for c in caches)
+    fig, axes = plt.subplots(1, len(caches), figsize=(6.5 * len(caches), 0.32 * rows + 1.6),
                              squeeze=False)  # fmt: skip
     colors = {"tensorstream": "#1b9e77", "tensorizer": "#d95f02", "safetensors": "#7570b3",
               "runai": "#e7298a", "reference": "#999999"}  # fmt: skip
@@ -272,10 +273,14 @@ def write_plot(summary: dict, path: Path, source: str = "local") -> Path | None:
             list(ys), meds, xerr=err, color=[colors.get(g["peer"], "#666") for g in sel], capsize=2
         )
         ax.set_yticks(list(ys), [g["case"] for g in sel], fontsize=8)
-        for y, v in zip(ys, meds, strict=True):
-            ax.text(v, y, f" {v:.2f}", va="center", fontsize=7)
+        for y, g in zip(ys, sel, strict=True):
+            ax.text(g["gbps_max"], y, f"  {g['gbps']:.2f}", va="center", fontsize=7)
+        ax.set_xlim(0, max(g["gbps_max"] for g in sel) * 1.15)
         ax.set_xlabel("GB/s (median, min–max)")
         ax.set_title(f"load from {source}, {cache} page cache")
+    peers = sorted({g["peer"] for g in gs})
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors.get(p, "#666")) for p in peers]
+    axes[0][-1].legend(handles, peers, loc="lower right", fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -309,10 +314,12 @@ def write_docs(summary: dict, meta: dict, out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     body = render_markdown(summary, meta)
-    plot = write_plot(summary, out_dir / PLOT_NAME)
-    if plot:
-        written.append(plot)
-        body += f"\n![load throughput, local source]({PLOT_NAME})\n"
+    for source in ("local", "http", "s3"):
+        name = PLOT_NAME if source == "local" else f"bench-{source}.png"
+        plot = write_plot(summary, out_dir / name, source)
+        if plot:
+            written.append(plot)
+            body += f"\n![load throughput from {source}]({name})\n"
     md = out_dir / "benchmarks.md"
     text = md.read_text() if md.exists() else _TEMPLATE.format(begin=BEGIN, end=END)
     if BEGIN not in text or END not in text:

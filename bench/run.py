@@ -48,6 +48,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--results", type=Path, default=None, help="also write raw results JSON here")
     ap.add_argument("--rebuild", action="store_true", help="rewrite the cached checkpoint files")
     ap.add_argument("--list", action="store_true", help="list the cases and exit")
+    ap.add_argument("--from-results", type=Path, default=None,
+                    help="re-render the report (and --out docs) from a saved results JSON; runs nothing")  # fmt: skip
     args = ap.parse_args(argv)
     args.size_mib = args.size_mib or (256 if args.quick else 1536)
     args.repeats = args.repeats or (3 if args.quick else 5)
@@ -111,6 +113,9 @@ def _plan(cases: list[Case], caches: list[str]) -> list[tuple[Case, str]]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit status (1 if a loader's bytes disagree)."""
     args = _parse(argv)
+    if args.from_results:
+        saved = json.loads(args.from_results.read_text())
+        return _report(saved["rows"], saved["meta"], args.out)
     wanted = list(SOURCES) if args.sources == "all" else args.sources.split(",")
     cases = select(args.cases.split(","), wanted)
     if args.list:
@@ -201,12 +206,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.results:
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(results, indent=1))
+    print(f"raw results: {out_json}", file=sys.stderr)
+    return _report(rows, meta, args.out)
+
+
+def _report(rows: list[dict], meta: dict, out: Path | None) -> int:
     summary = report.summarize(rows)
     print(report.render_markdown(summary, meta))
-    if args.out:
-        written = report.write_docs(summary, meta, args.out)
+    if out:
+        written = report.write_docs(summary, meta, out)
         print(f"wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
-    print(f"raw results: {out_json}", file=sys.stderr)
     return 1 if summary["mismatches"] else 0
 
 

@@ -2,9 +2,11 @@
 
 A loader that only maps a file (safetensors) or hands back views has not moved any bytes
 yet, so every load case reads every byte of every tensor once inside the timed region. The
-pass sums each tensor's bytes as int64 words (wrapping): torch runs that at memory speed
-(~20 GiB/s on the 2-vCPU dev VM, where a ``uint8`` sum runs at 0.5 GiB/s and ``zlib.crc32``
-at 2 GiB/s), so it does not dominate any loader's time. Its standalone speed on resident
+pass sums each tensor's bytes as int64 words (wrapping) on one thread: ~11 GB/s on the
+2-vCPU dev VM, where a ``uint8`` sum runs at 0.5 GB/s and ``zlib.crc32`` at 2 GB/s, so it does
+not dominate any loader's time. One thread, because torch's two-thread reduction there swung
+between 20 and 1.1 GB/s from one process to the next whenever another process held a core
+(each reduction's barrier then waits out a scheduler time slice). Its standalone speed on resident
 memory is measured by the ``touch-resident`` case and reported beside the loaders.
 
 Sums are exact modulo 2**64 whatever the reduction order, so two loaders that return the
@@ -63,12 +65,19 @@ def touch_all(tensors: Iterable[tuple[str, torch.Tensor]]) -> TouchResult:
         Count, total bytes, a 16-hex-digit checksum over (name, bytes, word sum) sorted by
         name, and how many tensors needed an aligned copy.
     """
+    import torch
+
     rows = []
     nbytes = copied = 0
-    for name, t in tensors:
-        s, n, c = _word_sum(t)
-        rows.append(f"{name}:{n}:{s:016x}")
-        nbytes += n
-        copied += c
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, t in tensors:
+            s, n, c = _word_sum(t)
+            rows.append(f"{name}:{n}:{s:016x}")
+            nbytes += n
+            copied += c
+    finally:
+        torch.set_num_threads(threads)
     digest = hashlib.sha256("\n".join(sorted(rows)).encode()).hexdigest()[:16]
     return TouchResult(len(rows), nbytes, digest, copied)
