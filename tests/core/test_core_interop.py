@@ -79,6 +79,18 @@ def test_golden_bytes_module(tmp_path):
     assert (tmp_path / "ours.tensors").read_bytes() == (tmp_path / "theirs.tensors").read_bytes()
 
 
+def test_golden_bytes_module_dtype_matrix(tmp_path):
+    m = torch.nn.Module()
+    m.inner = torch.nn.Module()
+    for i, (k, v) in enumerate(dtype_matrix(seed=4).items()):
+        owner = m.inner if i % 2 else m
+        owner.register_buffer(k.replace(".", "_"), v, persistent=bool(i % 3))
+    m.inner.p = torch.nn.Parameter(make(torch.float32, (3, 5), 1))
+    _ours(tmp_path / "ours.tensors", m, module=True, align=1)
+    _theirs(tmp_path / "theirs.tensors", m, module=True)
+    assert (tmp_path / "ours.tensors").read_bytes() == (tmp_path / "theirs.tensors").read_bytes()
+
+
 def test_default_alignment_is_64_and_tensorizer_reads_it(tmp_path):
     sd = tensorizer_readable(dtype_matrix())
     path = tmp_path / "aligned.tensors"
