@@ -41,6 +41,7 @@ __all__ = [
     "LoRAManager",
     "LoRARequest",
     "LoadedAdapter",
+    "check_adapter_fits",
     "read_adapter",
     "write_adapter",
 ]
@@ -426,7 +427,15 @@ class LoRAManager:
             self._loaded.move_to_end(request.lora_int_id)
             return name
         options = AdapterOptions.from_config(request.tensorizer_config_dict or {}, self.defaults)
-        adapter = read_adapter(request.path, options)
+        return self.install(read_adapter(request.path, options), request)
+
+    def install(self, adapter: LoadedAdapter, request: LoRARequest) -> str:
+        """Load an adapter already read into memory under ``request``'s id; return its name.
+
+        Raises:
+            ConfigError: as :meth:`add`.
+        """
+        name = self.adapter_name(request.lora_int_id)
         self._check(adapter, request)
         self._make_room(request)
         self._inject(adapter, name, request)
@@ -575,6 +584,26 @@ class LoRAManager:
             if isinstance(module, BaseTunerLayer) and name in getattr(module, "lora_A", {}):
                 module.delete_adapter(name)
         getattr(self.model, "peft_config", {}).pop(name, None)
+
+
+def check_adapter_fits(model_config: Any, adapter: LoadedAdapter, name: str = "adapter") -> None:
+    """Apply ``adapter`` to a weightless (meta) copy of the model: checks modules and shapes.
+
+    Args:
+        model_config: the base model's transformers config.
+        adapter: what :func:`read_adapter` returned.
+        name: names the adapter in errors.
+
+    Raises:
+        ConfigError: the adapter was made for another model (missing target modules,
+            shape mismatch), or it is not a plain LoRA adapter.
+    """
+    import transformers
+
+    with torch.device("meta"):
+        probe = transformers.AutoModelForCausalLM.from_config(model_config)
+    manager = LoRAManager(probe, max_loras=1, max_lora_rank=max(1, adapter.rank))
+    manager.install(adapter, LoRARequest(name, 1, adapter.uri))
 
 
 def _known_fields(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
