@@ -538,11 +538,15 @@ class TensorDeserializer(Mapping[Any, Any]):
             self._load(found)
         return _freeze(_nest({r.key[len(prefix) :]: self._get(r.key) for r in found}))
 
-    def _top_keys(self) -> list[Any]:
-        seen: dict[Any, None] = {}
-        for r in self._records:
-            seen[r.key[0] if isinstance(r.key, tuple) else r.key] = None
-        return list(seen)
+    def _top_keys(self) -> dict[Any, None]:
+        """First path components in file order (cached: the selection never changes)."""
+        keys = getattr(self, "_top_cache", None)
+        if keys is None:
+            keys = {}
+            for r in self._records:
+                keys[r.key[0] if isinstance(r.key, tuple) else r.key] = None
+            self._top_cache = keys
+        return keys
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._top_keys())
@@ -551,7 +555,7 @@ class TensorDeserializer(Mapping[Any, Any]):
         return len(self._top_keys())
 
     def __contains__(self, key: object) -> bool:
-        return key in self._by_key or key in set(self._top_keys())
+        return key in self._by_key or key in self._top_keys()
 
     # ------------------------------------------------------------ tensorizer API
 
