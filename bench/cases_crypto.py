@@ -1,0 +1,159 @@
+"""Quick encrypted save/load benchmark: tensorstream vs tensorizer 2.12.1, local, fresh processes.
+
+``python -m bench.cases_crypto [--size-mib 256] [--repeats 2]`` builds an fp32 state dict,
+then runs each measurement in its own process (warm page cache): encrypted save (ours,
+tensorizer), encrypted load to CPU (ours with manifest check, tensorizer), and the
+reference: in-place secretbox decryption of an already-touched buffer on all cores.
+Prints one JSON line per result and a table. Standalone because the harness registry
+(``bench.cases`` / ``bench.workers``) has no encrypted checkpoint format yet; each worker
+below is a ``Spec -> seconds`` function that could become a registered case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["main"]
+
+_TENSOR_MIB = 8
+
+
+def _state_dict(size_mib: int):  # noqa: ANN202 - torch imported lazily
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    n = max(1, size_mib // _TENSOR_MIB)
+    return {f"layer.{i}.weight": torch.randn(_TENSOR_MIB << 18, generator=g) for i in range(n)}
+
+
+def _key(d: str) -> bytes:
+    with open(os.path.join(d, "bench.key"), "rb") as f:
+        return f.read()
+
+
+def w_ours_save(d: str, size: int) -> float:
+    from tensorstream.crypto import EncryptionParams
+    from tensorstream.serialize.writer import TensorSerializer
+
+    sd = _state_dict(size)
+    t = time.perf_counter()
+    with TensorSerializer(
+        os.path.join(d, "ours.tensors"), encryption=EncryptionParams(_key(d))
+    ) as s:
+        s.write_state_dict(sd)
+    return time.perf_counter() - t
+
+
+def w_tz_save(d: str, size: int) -> float:
+    import tensorizer
+
+    sd = _state_dict(size)
+    t = time.perf_counter()
+    s = tensorizer.TensorSerializer(
+        os.path.join(d, "tz.tensors"), encryption=tensorizer.EncryptionParams(_key(d))
+    )
+    s.write_state_dict(sd)
+    s.close()
+    return time.perf_counter() - t
+
+
+def w_ours_load(d: str, size: int, name: str = "ours.tensors") -> float:
+    from tensorstream.crypto import DecryptionParams
+    from tensorstream.deserialize.reader import TensorDeserializer
+
+    t = time.perf_counter()
+    with TensorDeserializer(
+        os.path.join(d, name), device="cpu", encryption=DecryptionParams.from_key(_key(d))
+    ) as des:
+        assert len(des) > 0
+    return time.perf_counter() - t
+
+
+def w_ours_load_tz_file(d: str, size: int) -> float:
+    return w_ours_load(d, size, "tz.tensors")
+
+
+def w_tz_load(d: str, size: int) -> float:
+    import tensorizer
+
+    t = time.perf_counter()
+    with tensorizer.TensorDeserializer(
+        os.path.join(d, "tz.tensors"),
+        device="cpu",
+        encryption=tensorizer.DecryptionParams.from_key(_key(d)),
+    ) as des:
+        assert len(des) > 0
+    return time.perf_counter() - t
+
+
+def w_decrypt_reference(d: str, size: int) -> float:
+    from tensorstream.crypto import decrypt_chunks_parallel, encrypt_chunks_parallel, random_nonce
+
+    buf = bytearray(size << 20)  # touched (zero-filled) before timing
+    nonce = random_nonce()
+    key = _key(d)
+    macs = encrypt_chunks_parallel(buf, key, nonce)
+    t = time.perf_counter()
+    decrypt_chunks_parallel(buf, key, nonce, 2 << 20, macs)
+    return time.perf_counter() - t
+
+
+WORKERS = {
+    "ours-save": w_ours_save,
+    "tensorizer-save": w_tz_save,
+    "ours-load": w_ours_load,
+    "ours-load-tensorizer-file": w_ours_load_tz_file,
+    "tensorizer-load": w_tz_load,
+    "decrypt-all-cores": w_decrypt_reference,
+}
+_ORDER = ["ours-save", "tensorizer-save", "ours-load", "ours-load-tensorizer-file",
+          "tensorizer-load", "decrypt-all-cores"]  # fmt: skip
+
+
+def _child(name: str, d: str, size: int) -> float:
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.cases_crypto", "--worker", name, "--dir", d,
+         "--size-mib", str(size)],
+        check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.cases_crypto")
+    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(WORKERS[args.worker](args.dir, args.size_mib))
+        return 0
+    size = max(1, args.size_mib // _TENSOR_MIB) * _TENSOR_MIB
+    with tempfile.TemporaryDirectory(prefix="ts-crypto-bench-") as d:
+        with open(os.path.join(d, "bench.key"), "wb") as f:
+            f.write(os.urandom(32))
+        best: dict[str, float] = {}
+        for _ in range(args.repeats):
+            for name in _ORDER:
+                secs = _child(name, d, size)
+                best[name] = min(best.get(name, secs), secs)
+        gbs = {k: (size << 20) / v / 1e9 for k, v in best.items()}
+        for k in _ORDER:
+            print(json.dumps({"case": k, "mib": size, "seconds": round(best[k], 4),
+                              "GB/s": round(gbs[k], 3)}))  # fmt: skip
+        print(f"cpus={os.cpu_count()}  load ours/tensorizer = "
+              f"{gbs['ours-load'] / gbs['tensorizer-load']:.2f}x, ours/decrypt-reference = "
+              f"{gbs['ours-load'] / gbs['decrypt-all-cores']:.0%}, save ours/tensorizer = "
+              f"{gbs['ours-save'] / gbs['tensorizer-save']:.2f}x")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
