@@ -144,22 +144,38 @@ def _remote_cases() -> None:
     register(Case("runai-local", "runai", "load", "runai_load", "safetensors",
                   note="SafetensorsStreamer, default concurrency"))  # fmt: skip
     for src in ("http", "s3"):
-        register(Case(f"tensorstream-{src}-r4", "tensorstream", "load", "tensorstream_load",
-                      "tensorstream", source=src, params={"num_readers": 4},
-                      fallback_fmt="tensorizer"))  # fmt: skip
+        for n in (1, 4, 8):
+            register(Case(f"tensorstream-{src}-r{n}", "tensorstream", "load", "tensorstream_load",
+                          "tensorstream", source=src, params={"num_readers": n},
+                          fallback_fmt="tensorizer"))  # fmt: skip
+        register(Case(f"tensorstream-{src}-default", "tensorstream", "load",
+                      "tensorstream_load", "tensorstream", source=src,
+                      params={"num_readers": None}, fallback_fmt="tensorizer",
+                      note="num_readers=None (the source's preferred count)"))  # fmt: skip
+        register(Case(f"tensorstream-{src}-r4-safetensors", "tensorstream", "load",
+                      "tensorstream_load", "safetensors", source=src,
+                      params={"num_readers": 4}, note="safetensors file, same path"))  # fmt: skip
         register(Case(f"tensorizer-{src}-default", "tensorizer", "load", "tensorizer_load",
                       "tensorizer", source=src, params={"num_readers": None},
                       note="num_readers=None (2 for HTTP/S3); curl subprocesses"))  # fmt: skip
-        register(Case(f"tensorizer-{src}-r4", "tensorizer", "load", "tensorizer_load",
-                      "tensorizer", source=src, params={"num_readers": 4}))  # fmt: skip
-    register(Case("urllib3-http-t4", "reference", "load", "urllib3_ranged", "safetensors",
-                  source="http", params={"threads": 4},
-                  note="4 ranged GETs readinto one pre-touched buffer"))  # fmt: skip
+        for n in (1, 4, 8):
+            register(Case(f"tensorizer-{src}-r{n}", "tensorizer", "load", "tensorizer_load",
+                          "tensorizer", source=src, params={"num_readers": n}))  # fmt: skip
+    for n in (1, 4, 8):
+        register(Case(f"urllib3-http-t{n}", "reference", "load", "urllib3_ranged", "safetensors",
+                      source="http", params={"threads": n},
+                      note=f"{n} ranged GETs readinto one pre-touched buffer"))  # fmt: skip
     register(Case("runai-s3", "runai", "load", "runai_load", "safetensors", source="s3",
                   note="SafetensorsStreamer, default concurrency"))  # fmt: skip
-    register(Case("boto3-s3-t8", "reference", "load", "boto3_ranged", "safetensors", source="s3",
-                  params={"threads": 8},
-                  note="8 ranged get_object, read() chunks copied into one pre-touched buffer"))  # fmt: skip
+    for n in (4, 8):
+        register(Case(f"boto3-s3-t{n}", "reference", "load", "boto3_ranged", "safetensors",
+                      source="s3", params={"threads": n},
+                      note=f"{n} ranged get_object, read() chunks copied into one pre-touched "
+                           "buffer"))  # fmt: skip
+    for writer in ("tensorstream", "tensorizer"):
+        register(Case(f"upload-{writer}-s3", writer, "serialize", "s3_serialize", "safetensors",
+                      source="s3", params={"writer": writer}, caches=("none",),
+                      note="TensorSerializer('s3://…') until close() returns"))  # fmt: skip
 
 
 _remote_cases()

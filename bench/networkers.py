@@ -11,6 +11,7 @@ S3 options (``located.options``) are generic: ``endpoint``, ``access_key``, ``se
 
 from __future__ import annotations
 
+import atexit
 import json
 import struct
 import threading
@@ -19,7 +20,7 @@ from typing import Any
 
 from bench.workers import Spec, Timed, _import
 
-__all__ = ["boto3_ranged", "runai_load", "urllib3_ranged"]
+__all__ = ["boto3_ranged", "runai_load", "s3_serialize", "urllib3_ranged"]
 
 _CHUNK = 8 * 2**20
 _ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -176,5 +177,57 @@ def runai_load(spec: Spec) -> Timed:
         keep.append(streamer)  # closed with the process, after the touch pass
         streamer.stream_file(uri, s3_credentials=creds, device="cpu")
         return list(streamer.get_tensors())
+
+    return timed
+
+
+def s3_serialize(spec: Spec) -> Timed:
+    """Upload time: ``TensorSerializer(s3://…).write_state_dict(sd); close()``.
+
+    The state dict is fetched from the bucket's ``model.safetensors`` and made resident
+    during setup. tensorstream streams a multipart upload while it writes; tensorizer
+    2.12.1's ``open_stream(…, "wb")`` spools to a temporary file and uploads it on close.
+    The timed region ends when ``close()`` returns (the object is then complete and
+    durable); the object is deleted at process exit, untimed.
+
+    Params:
+        writer: ``tensorstream`` or ``tensorizer``.
+    """
+    writer = spec["params"]["writer"]
+    opts = spec["located"]["options"]
+    client = _boto3_client(opts, 4)
+    bucket, _, src_key = spec["located"]["uri"].removeprefix("s3://").partition("/")
+    st = _import("safetensors.torch", "safetensors")
+    sd = dict(st.load(client.get_object(Bucket=bucket, Key=src_key)["Body"].read()))
+    key = f"upload-{spec['case']}.tensors"
+    uri = f"s3://{bucket}/{key}"
+    if writer == "tensorizer":
+        tz = _import("tensorizer", "tensorizer")
+
+        def open_target() -> Any:
+            stream = tz.stream_io.open_stream(
+                uri, "wb", s3_access_key_id=opts["access_key"],
+                s3_secret_access_key=opts["secret_key"], s3_endpoint=opts["endpoint"],
+                s3_region_name=opts.get("region"), force_http=opts["endpoint"].startswith("http://"),
+            )  # fmt: skip
+            return tz.TensorSerializer(stream)
+    else:
+        ts = _import("tensorstream", "tensorstream")
+        storage = ts.StorageOptions(
+            s3_access_key_id=opts["access_key"], s3_secret_access_key=opts["secret_key"],
+            s3_endpoint=opts["endpoint"], s3_region=opts.get("region"), s3_addressing="path",
+        )  # fmt: skip
+
+        def open_target() -> Any:
+            return ts.TensorSerializer(uri, storage=storage)
+
+    # Untimed: drop the uploaded object when the worker process exits.
+    atexit.register(lambda: client.delete_object(Bucket=bucket, Key=key))
+
+    def timed() -> dict:
+        ser = open_target()
+        ser.write_state_dict(sd)
+        ser.close()
+        return sd
 
     return timed
