@@ -201,7 +201,14 @@ def _deserialize(args: argparse.Namespace) -> int:
         from tensorstream.engine.lora import LoRARequest
 
         # vLLM reads the adapter from the serialized directory; so do we.
-        lora = LoRARequest("adapter", 1, adapter_directory(options))
+        config = {"encryption_keyfile": options.keyfile} if options.keyfile else {}
+        if options.storage is not None:
+            config.update(
+                (key, getattr(options.storage, key))
+                for key in ("s3_access_key_id", "s3_secret_access_key", "s3_endpoint")
+                if getattr(options.storage, key)
+            )
+        lora = LoRARequest("adapter", 1, adapter_directory(options), tensorizer_config_dict=config)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     if getattr(llm.tokenizer, "chat_template", None):
         out = llm.chat([{"role": "user", "content": args.prompt}], params, lora_request=lora)

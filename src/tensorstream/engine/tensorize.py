@@ -449,13 +449,22 @@ def load_serialized(options: LoadOptions) -> Any:
         extra["num_readers"] = options.num_readers
     if options.verify_hash:
         extra["verify_hash"] = True
-    if options.keyfile:
-        extra["encryption_keyfile"] = options.keyfile
     storage = options.storage
     if storage is not None:
         for key in ("s3_access_key_id", "s3_secret_access_key", "s3_endpoint"):
             if getattr(storage, key):
                 extra[key] = getattr(storage, key)
+    if options.keyfile:
+        from tensorstream.crypto.keyfile import read_keyfile
+        from tensorstream.crypto.params import DecryptionParams
+
+        # Read here, with the storage options: the loader's keyfile path would read an
+        # s3:// key file with environment credentials only.
+        key = read_keyfile(options.keyfile, storage)
+        extra.pop("encryption_keyfile", None)
+        extra.setdefault("deserialization_kwargs", {})["encryption"] = DecryptionParams.from_key(
+            key
+        )
     model = directory
     if not _exists(join_uri(directory, "config.json"), storage):
         if not options.model:
