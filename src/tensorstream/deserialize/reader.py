@@ -18,31 +18,18 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from types import MappingProxyType
 from typing import IO, Any
 
 import torch
 
-from tensorstream.deserialize.fetch import Completion, run_readers
 from tensorstream.deserialize.index import TensorIndex, TensorRecord, read_index
-from tensorstream.deserialize.place import (
-    FileMap,
-    StagedCopier,
-    byte_view,
-    empty_for,
-    staging_size,
-)
-from tensorstream.deserialize.plan import Segment, plan_ranges
-from tensorstream.deserialize.verify import check_header, verify_hashes
-from tensorstream.errors import (
-    ConfigError,
-    FormatError,
-    KeyRequiredError,
-    NotEncryptedError,
-    TensorStreamError,
-)
-from tensorstream.formats.tensorizer import TENSOR_TYPE_BUFFER, TENSOR_TYPE_PARAM, TensorHeader
+from tensorstream.deserialize.loaders import load_cpu, load_staged
+from tensorstream.deserialize.pipeline import RecordPipeline
+from tensorstream.deserialize.place import FileMap
+from tensorstream.deserialize.structure import freeze, nest, place_into_module, tied_aliases
+from tensorstream.errors import ConfigError, FormatError, KeyRequiredError, NotEncryptedError
 from tensorstream.sources.base import Source, StorageOptions
+from tensorstream.sources.fileobj import FileObjectSource
 from tensorstream.sources.memory import MemorySource
 from tensorstream.sources.registry import open_source
 from tensorstream.utils.progress import ByteProgress
@@ -57,35 +44,6 @@ _STAGING_BYTES = 32 << 20
 _LAZY_SPLIT_BYTES = 64 << 20
 
 
-class _FileObjectSource(Source):
-    """A caller's seekable binary file object (reads are serialised with a lock)."""
-
-    def __init__(self, fileobj: IO[bytes]) -> None:
-        self._f = fileobj
-        self._lock = threading.Lock()
-        self.display_uri = str(getattr(fileobj, "name", "<file object>"))
-        with self._lock:
-            here = fileobj.tell()
-            self._size = fileobj.seek(0, os.SEEK_END)
-            fileobj.seek(here)
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    def read_into(self, offset: int, buf: memoryview) -> None:
-        from tensorstream.errors import TruncatedFileError
-
-        with self._lock:
-            self._f.seek(offset)
-            got = self._f.readinto(buf)  # type: ignore[attr-defined]
-        if got != len(buf):
-            raise TruncatedFileError(
-                f"{self.display_uri}: read of {len(buf)} bytes at offset {offset} got {got}; "
-                "the file is truncated"
-            )
-
-
 def _resolve_device(device: str | torch.device | int | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -95,11 +53,6 @@ def _resolve_device(device: str | torch.device | int | None) -> torch.device:
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
-
-
-def _as_parameter(t: torch.Tensor) -> torch.nn.Parameter:
-    grad = t.is_floating_point() or t.is_complex()
-    return torch.nn.Parameter(t, requires_grad=grad)
 
 
 class TensorDeserializer(Mapping[Any, Any]):
@@ -193,11 +146,16 @@ class TensorDeserializer(Mapping[Any, Any]):
             )
             self._records = self._select(filter_func)
             self._by_key = {r.key: r for r in self._records}
-            self._tensors: dict[Any, torch.nn.Parameter] = {}
-            self._verified: set[Any] = set()
-            # loads are serialised; results are stored from pool threads under _store
-            self._lock = threading.RLock()
-            self._store = threading.Lock()
+            self._pipeline = RecordPipeline(
+                self._index,
+                self._source.display_uri,
+                decryptor=self._decryptor,
+                manifest=self._manifest,
+                dtype=dtype,
+            )
+            self._tensors = self._pipeline.tensors
+            self._verified = self._pipeline.verified
+            self._lock = threading.RLock()  # one load at a time (lazy access from threads)
             self._file_map: FileMap | None = None
             self.total_bytes_read = 0
             self.load_seconds = 0.0
@@ -266,7 +224,6 @@ class TensorDeserializer(Mapping[Any, Any]):
             return None
         verified = mf.Manifest.verify(data, encryption, where=where)
         verified.check_index(self._index)
-        self._positions = {r.header_offset: i for i, r in enumerate(self._index.records)}
         log.debug("%s: manifest verified (%d tensors)", where, len(verified.tensors))
         return verified
 
@@ -306,6 +263,14 @@ class TensorDeserializer(Mapping[Any, Any]):
             )
         return 1
 
+    def _map_file(self) -> FileMap | None:
+        """The page-cache mapping for CPU loads of local, unencrypted files."""
+        if not self._use_mmap or not self._source.local_path or self._decryptor is not None:
+            return None
+        if self._file_map is None:
+            self._file_map = FileMap(self._source)
+        return self._file_map
+
     def _load(self, records: list[TensorRecord]) -> None:
         records = [r for r in records if r.key not in self._tensors]
         if not records:
@@ -314,198 +279,32 @@ class TensorDeserializer(Mapping[Any, Any]):
         nbytes = sum(r.data_length for r in records)
         progress = ByteProgress(nbytes, "load", enabled=self._progress)
         try:
+            readers = self._readers_for(sum(r.header_size + r.data_length for r in records))
             if self._device.type == "cpu" and not self._force_staged:
-                mapped = self._use_mmap and self._source.local_path and self._decryptor is None
-                self._load_cpu(records, bool(mapped), progress)
+                load_cpu(
+                    self._source,
+                    records,
+                    readers,
+                    self._pipeline,
+                    self._map_file(),
+                    self._verify,
+                    progress.update,
+                )
             else:
-                self._load_staged(records, progress)
+                load_staged(
+                    self._source,
+                    records,
+                    readers,
+                    self._pipeline,
+                    self._device,
+                    self._verify,
+                    progress.update,
+                    _STAGING_BYTES,
+                )
         finally:
             progress.close()
         self.load_seconds += time.perf_counter() - started
         self.total_bytes_read += nbytes
-
-    def _finish(self, record: TensorRecord, tensor: torch.Tensor) -> None:
-        if self._dtype is not None and tensor.is_floating_point() and tensor.dtype != self._dtype:
-            tensor = tensor.to(self._dtype)
-        with self._store:
-            self._tensors[record.key] = _as_parameter(tensor)
-
-    def _check(
-        self, record: TensorRecord, header: bytes | memoryview | None
-    ) -> TensorHeader | None:
-        if header is None or not self._index.has_headers:
-            return None
-        parsed = check_header(self._index, record, header, self._source.display_uri)
-        if self._manifest is not None:
-            position = self._positions[record.header_offset]
-            self._manifest.check_header(position, record, header, parsed)
-        return parsed
-
-    def _post(
-        self,
-        record: TensorRecord,
-        header: bytes | memoryview | None,
-        data: memoryview,
-        verify: bool,
-    ) -> None:
-        """Header check, decryption in place, then hash check of the plaintext."""
-        parsed = self._check(record, header)
-        if parsed is not None and self._decryptor is not None and record.data_length:
-            self._decryptor.decrypt(record, parsed, data, key_verified=self._manifest is not None)
-        if verify and parsed is not None:
-            verify_hashes(record, parsed, header, data, self._source.display_uri)  # type: ignore[arg-type]
-            self._verified.add(record.key)
-
-    def _load_cpu(self, records: list[TensorRecord], mapped: bool, progress: ByteProgress) -> None:
-        if mapped and self._file_map is None:
-            self._file_map = FileMap(self._source)
-        fmap = self._file_map if mapped else None
-        views: dict[int, torch.Tensor] = {}
-        dests: list[torch.Tensor | None] = []
-        headers: list[bytearray | None] = []
-        for i, r in enumerate(records):
-            if r.is_meta:
-                dests.append(torch.zeros(r.shape, dtype=r.dtype))
-            elif fmap is not None and fmap.can_view(r):
-                views[i] = fmap.tensor(r)
-                dests.append(None)
-            else:
-                dests.append(empty_for(r, torch.device("cpu")))
-            headers.append(bytearray(r.header_size) if r.header_size and (fmap is None) else None)
-        data_views = [byte_view(d) if d is not None else None for d in dests]
-
-        def route(seg: Segment) -> memoryview | None:
-            if seg.part == "header":
-                buf = headers[seg.record]
-                return None if buf is None else memoryview(buf)[seg.dest_offset :][: seg.length]
-            view = data_views[seg.record]
-            if view is None:  # mapped: fault the pages in from this reader thread
-                assert fmap is not None
-                fmap.populate(seg.offset, seg.length)
-                return None
-            return view[seg.dest_offset : seg.dest_offset + seg.length]
-
-        def on_complete(i: int) -> None:
-            r = records[i]
-            if fmap is not None:
-                header = fmap.bytes_at(r.header_offset, r.header_size) if r.header_size else None
-            else:
-                header = headers[i]
-            if i in views:
-                data = fmap.bytes_at(r.data_offset, r.data_length)  # type: ignore[union-attr]
-                tensor = views[i]
-            else:
-                tensor = dests[i]  # type: ignore[assignment]
-                data = data_views[i]  # type: ignore[assignment]
-            if not r.is_meta:
-                self._post(r, header, data, self._verify)
-            self._finish(r, tensor)
-
-        remaining = [
-            (r.header_size if self._index.has_headers else 0) + r.data_length for r in records
-        ]
-        plan = plan_ranges(records, self._readers_for(sum(remaining)), split_records=True)
-        pool = _cpu_pool()
-        completion = Completion(remaining, on_complete, pool)
-        completion.fire_empty()
-        run_readers(self._source, plan, route, completion, progress.update)
-
-    def _load_staged(self, records: list[TensorRecord], progress: ByteProgress) -> None:
-        """Device targets: stream through pinned buffers, copy on per-reader streams."""
-        device = self._device
-        dests = [
-            torch.zeros(r.shape, dtype=r.dtype, device=device)
-            if r.is_meta
-            else empty_for(r, device)
-            for r in records
-        ]
-        headers = [bytearray(r.header_size) for r in records]
-        need_host = self._verify or self._decryptor is not None
-        nbytes = sum(r.header_size + r.data_length for r in records)
-        plan = plan_ranges(records, self._readers_for(nbytes), split_records=not need_host)
-        quantum = 2 << 20  # whole 2 MiB crypt chunks per staged piece
-        staging = staging_size(plan, _STAGING_BYTES, quantum)
-        errors: list[BaseException] = []
-
-        def reader(ranges: list) -> None:
-            copier = StagedCopier(device, staging)
-            try:
-                for rng in ranges:
-                    with self._source.open_range(rng.start, rng.end) as stream:
-                        pos = rng.start
-                        for seg in rng.segments:
-                            if errors:
-                                return
-                            if seg.offset > pos:
-                                stream.skip(seg.offset - pos)
-                            pos = seg.offset + seg.length
-                            r = records[seg.record]
-                            if seg.part == "header":
-                                stream.readinto_exact(memoryview(headers[seg.record]))
-                                continue
-                            self._stage_data(
-                                stream,
-                                copier,
-                                r,
-                                seg,
-                                headers[seg.record],
-                                dests[seg.record],
-                                need_host,
-                                quantum,
-                                progress,
-                            )
-                copier.finish()
-            except BaseException as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=reader, args=(rs,), daemon=True) for rs in plan]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        for r, d, h in zip(records, dests, headers, strict=True):
-            if r.is_meta or not need_host:
-                self._check(r, h if r.header_size else None)
-            self._finish(r, d)
-
-    def _stage_data(
-        self,
-        stream: Any,
-        copier: StagedCopier,
-        r: TensorRecord,
-        seg: Segment,
-        header: bytearray,
-        dest: torch.Tensor,
-        need_host: bool,
-        quantum: int,
-        progress: ByteProgress,
-    ) -> None:
-        parsed = self._check(r, header) if (need_host and seg.dest_offset == 0) else None
-        hasher = None
-        if parsed is not None and self._verify:
-            import hashlib
-
-            hasher = hashlib.sha256(parsed.hashable(header))
-        done = 0
-        while done < seg.length:
-            i, buf = copier.next_buffer()
-            n = min(len(buf), seg.length - done)
-            piece = buf[:n]
-            stream.readinto_exact(piece)
-            if parsed is not None and self._decryptor is not None:
-                self._decryptor.decrypt_piece(r, parsed, piece, seg.dest_offset + done)
-            if hasher is not None:
-                hasher.update(piece)
-            copier.copy_out(i, n, dest, seg.dest_offset + done)
-            done += n
-            progress.update(n)
-        if hasher is not None and parsed is not None:
-            from tensorstream.deserialize.verify import verify_digest
-
-            verify_digest(r, parsed, hasher.digest(), self._source.display_uri)
-            self._verified.add(r.key)
 
     # ------------------------------------------------------------ Mapping
 
@@ -536,7 +335,7 @@ class TensorDeserializer(Mapping[Any, Any]):
             return None
         if self._lazy:
             self._load(found)
-        return _freeze(_nest({r.key[len(prefix) :]: self._get(r.key) for r in found}))
+        return freeze(nest({r.key[len(prefix) :]: self._get(r.key) for r in found}))
 
     def _top_keys(self) -> dict[Any, None]:
         """First path components in file order (cached: the selection never changes)."""
@@ -597,7 +396,7 @@ class TensorDeserializer(Mapping[Any, Any]):
             self._load([self._by_key[k] for k in items.values()])
         if () in items:
             return self._get(items[()])
-        return _nest({p: self._get(k) for p, k in items.items()}, lists=True)
+        return nest({p: self._get(k) for p, k in items.items()}, lists=True)
 
     def read_tensors(
         self,
@@ -635,7 +434,7 @@ class TensorDeserializer(Mapping[Any, Any]):
                 "write_state_dict), which has no module structure; use it as a mapping and "
                 "module.load_state_dict(dict(deserializer)) instead"
             )
-        aliases = _tied_aliases(module)
+        aliases = tied_aliases(module)
         chosen = [r for r in self._records if filter_func is None or filter_func(r.key)]
         names = {r.key for r in chosen}
         skip = {
@@ -648,28 +447,7 @@ class TensorDeserializer(Mapping[Any, Any]):
         self._load(wanted)
         if verify_hash or (verify_hash is None and self._verify):
             self._verify_late(wanted)
-        placed = 0
-        for r in wanted:
-            name = r.key.lstrip(".") if isinstance(r.key, str) else r.key
-            owner_name, _, attr = name.rpartition(".")
-            owner = module.get_submodule(owner_name) if owner_name else module
-            tensor = self._tensors[r.key]
-            if r.tensor_type == TENSOR_TYPE_PARAM:
-                owner.register_parameter(attr, tensor)
-            elif r.tensor_type == TENSOR_TYPE_BUFFER:
-                persistent = attr not in owner._non_persistent_buffers_set
-                owner.register_buffer(attr, tensor.data, persistent=persistent)
-            placed += r.data_length
-        for group in aliases:
-            if group[0] in names:
-                first = group[0].lstrip(".")
-                p_owner, _, p_attr = first.rpartition(".")
-                shared = getattr(module.get_submodule(p_owner) if p_owner else module, p_attr)
-                for alias in group[1:]:
-                    a_owner, _, a_attr = alias.lstrip(".").rpartition(".")
-                    target = module.get_submodule(a_owner) if a_owner else module
-                    target.register_parameter(a_attr, shared)
-        return placed
+        return place_into_module(module, wanted, self._tensors, aliases)
 
     def _verify_late(self, records: list[TensorRecord]) -> None:
         """Verify hashes of tensors loaded without verification, by re-reading them."""
@@ -681,7 +459,7 @@ class TensorDeserializer(Mapping[Any, Any]):
             self._source.read_into(r.header_offset, memoryview(buf))
             header = memoryview(buf)[: r.header_size]
             data = memoryview(buf)[r.header_size :]
-            self._post(r, bytes(header), data, verify=True)
+            self._pipeline.process(r, bytes(header), data, verify=True)
 
     def close(self) -> None:
         """Release the file or connections. Loaded tensors stay valid."""
@@ -710,59 +488,5 @@ def _open(source: Any, storage: StorageOptions | None) -> Source:
     if isinstance(source, (bytes, bytearray, memoryview)):
         return MemorySource(source)
     if hasattr(source, "readinto") and hasattr(source, "seek"):
-        return _FileObjectSource(source)
+        return FileObjectSource(source)
     raise ConfigError(f"cannot read tensors from a {type(source).__name__}; give a path or URI")
-
-
-def _tied_aliases(module: torch.nn.Module) -> list[list[str]]:
-    """Groups of file names ('.'-prefixed like write_module) naming one parameter."""
-    groups: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        prefixed = name if "." in name else f".{name}"
-        groups.setdefault(id(p), []).append(prefixed)
-    return [g for g in groups.values() if len(g) > 1]
-
-
-def _nest(flat: dict[tuple[Any, ...], Any], lists: bool = False) -> Any:
-    root: dict[Any, Any] = {}
-    for path, value in flat.items():
-        node = root
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = value
-    if lists:
-        return _listify(root)
-    return root
-
-
-def _listify(node: Any) -> Any:
-    if not isinstance(node, dict):
-        return node
-    out = {k: _listify(v) for k, v in node.items()}
-    if out and all(isinstance(k, int) for k in out) and sorted(out) == list(range(len(out))):
-        return [out[i] for i in range(len(out))]
-    return out
-
-
-def _freeze(node: Any) -> Any:
-    if isinstance(node, dict):
-        return MappingProxyType({k: _freeze(v) for k, v in node.items()})
-    return node
-
-
-_POOL = None
-_POOL_LOCK = threading.Lock()
-
-
-def _cpu_pool() -> Any:
-    """One shared pool for per-tensor CPU work (hashing, decryption)."""
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tensorstream-cpu")
-        return _POOL
-
-
-__all__ += ["TensorStreamError"]

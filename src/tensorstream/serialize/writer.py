@@ -51,6 +51,7 @@ from tensorstream.serialize.tensors import (
     shape_of,
 )
 from tensorstream.sources.base import Sink, StorageOptions
+from tensorstream.sources.fileobj import FileObjectSink
 from tensorstream.sources.registry import open_sink
 from tensorstream.utils.progress import ByteProgress
 
@@ -71,36 +72,6 @@ class _Record:
     encrypted: bool
     layout: RecordLayout
     crypt_info_len: int | None
-
-
-class _FileObjectSink(Sink):
-    """A caller's seekable binary file object; committing only flushes it."""
-
-    def __init__(self, fileobj: IO[bytes]) -> None:
-        self._f = fileobj
-        self._start = fileobj.tell()
-        self._pos = 0
-        self.display_uri = getattr(fileobj, "name", "<file object>")
-
-    @property
-    def position(self) -> int:
-        return self._pos
-
-    def write(self, data: memoryview | bytes) -> None:
-        self._f.seek(self._start + self._pos)
-        self._f.write(data)
-        self._pos += len(memoryview(data).cast("B"))
-
-    def patch(self, offset: int, data: bytes) -> None:
-        self._f.seek(self._start + offset)
-        self._f.write(data)
-        self._f.seek(self._start + self._pos)
-
-    def commit(self) -> None:
-        self._f.flush()
-
-    def abort(self) -> None:
-        self._f.flush()
 
 
 class TensorSerializer:
@@ -146,7 +117,7 @@ class TensorSerializer:
         elif isinstance(target, (str, os.PathLike)):
             self._sink = open_sink(target, storage)
         elif hasattr(target, "write") and hasattr(target, "seek"):
-            self._sink = _FileObjectSink(target)
+            self._sink = FileObjectSink(target)
         else:
             raise ConfigError(f"cannot write to {type(target).__name__}; give a path or URI")
         self._encryptor = _make_encryptor(encryption)

@@ -1,0 +1,203 @@
+"""The two load paths: CPU (page-cache views or fresh tensors) and staged (devices).
+
+Both take their inputs explicitly and report each finished tensor to a
+``RecordPipeline``; neither holds state between calls.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from tensorstream.deserialize.fetch import Completion, run_readers
+from tensorstream.deserialize.index import TensorRecord
+from tensorstream.deserialize.pipeline import RecordPipeline
+from tensorstream.deserialize.place import (
+    FileMap,
+    StagedCopier,
+    byte_view,
+    empty_for,
+    staging_size,
+)
+from tensorstream.deserialize.plan import ReadRange, Segment, plan_ranges
+from tensorstream.sources.base import RangeReader, Source
+
+__all__ = ["load_cpu", "load_staged"]
+
+#: Staged pieces are whole 2 MiB encryption chunks, so they can be decrypted alone.
+_QUANTUM = 2 << 20
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def cpu_pool() -> ThreadPoolExecutor:
+    """One shared pool for per-tensor CPU work (hashing, decryption)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="tensorstream-cpu")
+        return _POOL
+
+
+def load_cpu(
+    source: Source,
+    records: Sequence[TensorRecord],
+    readers: int,
+    pipeline: RecordPipeline,
+    fmap: FileMap | None,
+    verify: bool,
+    progress: Callable[[int], None],
+) -> None:
+    """Load into CPU memory: views of ``fmap`` where possible, fresh tensors otherwise."""
+    views: dict[int, torch.Tensor] = {}
+    dests: list[torch.Tensor | None] = []
+    headers: list[bytearray | None] = []
+    for i, r in enumerate(records):
+        if r.is_meta:
+            dests.append(torch.zeros(r.shape, dtype=r.dtype))
+        elif fmap is not None and fmap.can_view(r):
+            views[i] = fmap.tensor(r)
+            dests.append(None)
+        else:
+            dests.append(empty_for(r, torch.device("cpu")))
+        headers.append(bytearray(r.header_size) if r.header_size and fmap is None else None)
+    data_views = [byte_view(d) if d is not None else None for d in dests]
+
+    def route(seg: Segment) -> memoryview | None:
+        if seg.part == "header":
+            buf = headers[seg.record]
+            return None if buf is None else memoryview(buf)[seg.dest_offset :][: seg.length]
+        view = data_views[seg.record]
+        if view is None:  # mapped: fault the pages in from this reader thread
+            assert fmap is not None
+            fmap.populate(seg.offset, seg.length)
+            return None
+        return view[seg.dest_offset : seg.dest_offset + seg.length]
+
+    def on_complete(i: int) -> None:
+        r = records[i]
+        header: Any = headers[i]
+        if fmap is not None and r.header_size:
+            header = fmap.bytes_at(r.header_offset, r.header_size)
+        if i in views:
+            assert fmap is not None
+            tensor, data = views[i], fmap.bytes_at(r.data_offset, r.data_length)
+        else:
+            tensor, data = dests[i], data_views[i]  # type: ignore[assignment]
+        if not r.is_meta:
+            pipeline.process(r, header, data, verify)  # type: ignore[arg-type]
+        pipeline.finish(r, tensor)  # type: ignore[arg-type]
+
+    has_headers = pipeline.index.has_headers
+    remaining = [(r.header_size if has_headers else 0) + r.data_length for r in records]
+    plan = plan_ranges(records, readers, split_records=True)
+    completion = Completion(remaining, on_complete, cpu_pool())
+    completion.fire_empty()
+    run_readers(source, plan, route, completion, progress)
+
+
+def load_staged(
+    source: Source,
+    records: Sequence[TensorRecord],
+    readers: int,
+    pipeline: RecordPipeline,
+    device: torch.device,
+    verify: bool,
+    progress: Callable[[int], None],
+    staging_limit: int,
+) -> None:
+    """Load onto ``device`` through double-buffered (pinned) staging, one stream per reader.
+
+    With hashing or decryption every tensor is read by one reader, so its staged
+    pieces pass through the host in order.
+    """
+    dests = [
+        torch.zeros(r.shape, dtype=r.dtype, device=device) if r.is_meta else empty_for(r, device)
+        for r in records
+    ]
+    headers = [bytearray(r.header_size) for r in records]
+    on_host = verify or pipeline.decryptor is not None
+    plan = plan_ranges(records, readers, split_records=not on_host)
+    staging = staging_size(plan, staging_limit, _QUANTUM)
+    errors: list[BaseException] = []
+
+    def reader(ranges: Sequence[ReadRange]) -> None:
+        copier = StagedCopier(device, staging)
+        try:
+            for rng in ranges:
+                with source.open_range(rng.start, rng.end) as stream:
+                    pos = rng.start
+                    for seg in rng.segments:
+                        if errors:
+                            return
+                        if seg.offset > pos:
+                            stream.skip(seg.offset - pos)
+                        pos = seg.offset + seg.length
+                        if seg.part == "header":
+                            stream.readinto_exact(memoryview(headers[seg.record]))
+                            continue
+                        _stage_segment(
+                            stream,
+                            copier,
+                            records[seg.record],
+                            seg,
+                            headers[seg.record],
+                            dests[seg.record],
+                            pipeline,
+                            on_host,
+                            verify,
+                            progress,
+                        )
+            copier.finish()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(rs,), daemon=True) for rs in plan]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    for r, dest, header in zip(records, dests, headers, strict=True):
+        if r.is_meta or not on_host:
+            pipeline.check(r, header if r.header_size else None)
+        pipeline.finish(r, dest)
+
+
+def _stage_segment(
+    stream: RangeReader,
+    copier: StagedCopier,
+    record: TensorRecord,
+    seg: Segment,
+    header: bytearray,
+    dest: torch.Tensor,
+    pipeline: RecordPipeline,
+    on_host: bool,
+    verify: bool,
+    progress: Callable[[int], None],
+) -> None:
+    parsed = pipeline.check(record, header) if on_host and seg.dest_offset == 0 else None
+    hasher = hashlib.sha256(parsed.hashable(header)) if parsed is not None and verify else None
+    done = 0
+    while done < seg.length:
+        i, buf = copier.next_buffer()
+        n = min(len(buf), seg.length - done)
+        piece = buf[:n]
+        stream.readinto_exact(piece)
+        if parsed is not None and pipeline.decryptor is not None:
+            pipeline.decryptor.decrypt_piece(record, parsed, piece, seg.dest_offset + done)
+        if hasher is not None:
+            hasher.update(piece)
+        copier.copy_out(i, n, dest, seg.dest_offset + done)
+        done += n
+        progress(n)
+    if hasher is not None and parsed is not None:
+        pipeline.check_digest(record, parsed, hasher.digest())
