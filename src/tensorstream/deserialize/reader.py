@@ -245,7 +245,7 @@ class TensorDeserializer(Mapping[Any, Any]):
         n = self._num_readers or self._source.preferred_readers
         if self._lazy and nbytes < _LAZY_SPLIT_BYTES:
             n = 1  # one ranged GET of header plus data per lazily loaded tensor
-        if getattr(self._source, "supports_ranges", True):
+        if self._source.supports_ranges:
             return max(1, n)
         if self._num_readers is not None and self._num_readers > 1:
             from tensorstream.errors import RangeNotSupportedError

@@ -117,6 +117,11 @@ class Source(abc.ABC):
         return 1
 
     @property
+    def supports_ranges(self) -> bool:
+        """Whether reads may start anywhere (False for HTTP servers that ignore Range)."""
+        return True
+
+    @property
     def local_path(self) -> str | None:
         """A filesystem path when the bytes live in a local file (enables mmap)."""
         return None

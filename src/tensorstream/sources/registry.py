@@ -49,9 +49,7 @@ def _load(table: dict[str, tuple[str, str | None]], scheme: str, what: str) -> t
     return getattr(module, class_name)
 
 
-def open_source(
-    uri: str | os.PathLike[str], options: StorageOptions | None = None
-) -> Source:
+def open_source(uri: str | os.PathLike[str], options: StorageOptions | None = None) -> Source:
     """Open ``uri`` (path, ``file://``, ``http(s)://``, ``s3://``) for reading."""
     parsed = parse_uri(uri)
     cls = _load(_SOURCES, parsed.scheme, "source")
