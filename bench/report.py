@@ -220,9 +220,9 @@ def render_markdown(summary: dict, meta: dict) -> str:
         elif op == "serialize":
             out += [f"### Serialize to {source} disk", "",
                     "Tensors are resident before timing. *until close()* is what the writer's "
-                    "`close()` takes; the harness then fsyncs the file (*fsync after*: near zero "
-                    "when the writer already made it durable, as tensorizer 2.12.1 does not), and "
-                    "*durable GB/s* counts both.", ""]  # fmt: skip
+                    "`close()` takes; the harness then fsyncs the file (*fsync after* is near zero "
+                    "when the writer already made it durable; tensorizer 2.12.1 does not fsync), "
+                    "and *durable GB/s* counts both.", ""]  # fmt: skip
             out += _serialize_table(gs) + [""]
         elif op == "touch":
             for g in gs:
