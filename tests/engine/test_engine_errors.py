@@ -120,8 +120,19 @@ def test_missing_model_paths():
     with pytest.raises(SourceNotFoundError, match="smollm2-135m") as info:
         resolve_model("no-such-org/no-such-model-xyz")
     assert "HF_HUB_OFFLINE" in str(info.value)
-    with pytest.raises(ConfigError, match="not supported by this version"):
-        resolve_model("s3://bucket/model")
+
+
+def test_remote_model_without_config(s3_server, s3_bucket):
+    with pytest.raises(SourceNotFoundError, match="config.json"):
+        LLM(
+            f"s3://{s3_bucket}/no-model",
+            device="cpu",
+            model_loader_extra_config={
+                "s3_endpoint": s3_server.endpoint,
+                "s3_access_key_id": s3_server.access_key,
+                "s3_secret_access_key": s3_server.secret_key,
+            },
+        )
 
 
 def test_bad_prompts_and_params(tiny_model):

@@ -118,14 +118,17 @@ class TensorizerLoader(WeightLoader):
             "num_readers": options.num_readers,
             "verify_hash": options.verify_hash,
         }
-        if options.encryption_keyfile:
-            from tensorstream.crypto.params import DecryptionParams
-
-            kwargs["encryption"] = DecryptionParams.from_keyfile(options.encryption_keyfile)
         storage = _storage_options(options)
         if storage is not None:
             kwargs["storage"] = storage
-        kwargs.update(options.deserialization_kwargs)
+        if options.encryption_keyfile:
+            from tensorstream.crypto.keyfile import read_keyfile
+            from tensorstream.crypto.params import DecryptionParams
+
+            # the key file may sit in the same bucket, behind the same credentials
+            key = read_keyfile(options.encryption_keyfile, storage)
+            kwargs["encryption"] = DecryptionParams.from_key(key)
+        kwargs.update(_checked_kwargs(options.deserialization_kwargs))
         deserializer = TensorDeserializer(uri, **kwargs)
         try:
             tensors = dict(deserializer.items())
@@ -164,3 +167,22 @@ def _storage_options(options: TensorizerLoadOptions) -> Any:
             f"stream_kwargs keys {unknown} are not storage options; valid: {', '.join(sorted(known))}"
         )
     return StorageOptions(**values)
+
+
+def _checked_kwargs(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """``deserialization_kwargs`` must name ``TensorDeserializer`` keyword arguments."""
+    import inspect
+
+    from tensorstream import TensorDeserializer
+
+    accepted = {
+        name
+        for name, p in inspect.signature(TensorDeserializer.__init__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY or name == "device"
+    }
+    unknown = sorted(set(extra) - accepted)
+    if unknown:
+        raise ConfigError(
+            f"unknown deserialization_kwargs key(s) {unknown}; accepted: {sorted(accepted)}"
+        )
+    return dict(extra)
