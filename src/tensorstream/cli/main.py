@@ -84,8 +84,23 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _normalized(argv: list[str]) -> list[str]:
+    """Let a subcommand rewrite its own flags (``tensorize`` takes vLLM's ``--a_b`` spelling)."""
+    position = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if position is None or argv[position] not in SUBCOMMANDS:
+        return argv
+    try:
+        module = importlib.import_module(SUBCOMMANDS[argv[position]][0])
+    except ModuleNotFoundError:
+        return argv
+    normalize = getattr(module, "normalize_flags", None)
+    if normalize is None:
+        return argv
+    return argv[: position + 1] + list(normalize(argv[position + 1 :]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = _normalized(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     logging.basicConfig(
