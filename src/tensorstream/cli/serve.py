@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         # The engine thread runs the model; more event-loop threads would not help.
         workers=1,
     )
-    server = uvicorn.Server(config)
+    server = _graceful_server_class()(config)
     started = time.perf_counter()
     failed = threading.Event()
 
@@ -161,6 +161,41 @@ def run(args: argparse.Namespace) -> int:
         return 1
     logger.info("server stopped")
     return 0
+
+
+def _graceful_server_class() -> type:
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn's server, minus re-raising the stop signal after a clean shutdown.
+
+        uvicorn re-raises a captured SIGTERM once it has shut down, so the process
+        dies *by* the signal (status -15). A graceful stop should exit 0.
+        """
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            signals = (signal.SIGINT, signal.SIGTERM)
+            previous = {sig: signal.signal(sig, self._on_signal) for sig in signals}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+        def _on_signal(self, sig: int, _frame: Any) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C stops waiting for requests
+            logger.info("received %s; finishing running requests", signal.Signals(sig).name)
+            self.should_exit = True
+
+    return GracefulServer
 
 
 def _build_llm(args: argparse.Namespace) -> Any:
