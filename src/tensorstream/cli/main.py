@@ -37,8 +37,9 @@ SUBCOMMANDS = {
 
 def _version_text() -> str:
     from tensorstream import __version__
+    from tensorstream.utils.checksum import CRC32_BACKEND
 
-    text = f"tensorstream {__version__}"
+    text = f"tensorstream {__version__}\ncrc32: {CRC32_BACKEND}"
     try:
         from tensorstream.crypto import describe
 

