@@ -125,6 +125,9 @@ class EngineCore:
         self._cache_kw = "cache" if "cache" in forward else "past_key_values"
         self._pass_positions = "position_ids" in forward
         self._keep_last = "logits_to_keep" in forward
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is not None:
+            head.register_forward_pre_hook(_standard_strides)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -371,3 +374,25 @@ class EngineCore:
             total >= self.max_model_len
         ):
             seq.finish_reason = "length"
+
+
+def _standard_strides(module: Any, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """Give the LM head's input textbook strides.
+
+    ``logits_to_keep=1`` hands the head a slice whose size-1 dims keep the parent's
+    strides. Torch's CPU bf16 matmul then takes a slow path: 0.66 s instead of 0.01 s
+    per prefill for a 2048 x 49152 head (measured with torch 2.13). For a contiguous
+    tensor only size-1 dims can differ, so re-striding is free and reads the same memory.
+    """
+    x = args[0] if args else None
+    if not isinstance(x, torch.Tensor) or not x.is_contiguous():
+        return None
+    expected = []
+    step = 1
+    for size in reversed(x.shape):
+        expected.append(step)
+        step *= size
+    expected.reverse()
+    if list(x.stride()) == expected:
+        return None
+    return (x.as_strided(x.shape, expected), *args[1:])

@@ -130,18 +130,34 @@ class LLM:
         self.location: ModelLocation = resolve_model(
             model, revision=revision, storage=_storage_from_extra(extra)
         )
-        self.config = _load_config(self.location.files_dir, trust_remote_code)
-        self.tokenizer = _load_tokenizer(tokenizer or self.location.files_dir, trust_remote_code)
-        self.dtype = resolve_dtype(dtype, self.config)
-        self.load_format = (
-            load_format if load_format != "auto" else detect_format(self.location, extra)
-        )
-
-        loader = get_loader(self.load_format)
-        import_model_code(self.config)
+        load_format = load_format if load_format != "auto" else detect_format(self.location, extra)
+        loader = get_loader(load_format)
+        # Start reading weights now, while transformers is imported and the config and
+        # tokenizer are parsed: that import alone takes seconds, long enough to stream a
+        # good part of a model from S3. The dtype comes from config.json, no import needed.
+        early_dtype = resolve_dtype(dtype, _config_json(self.location.files_dir))
         started = time.perf_counter()
-        weights = loader.load(LoadRequest(self.location, self.device, self.dtype, extra))
+        pending = _background(
+            loader.load, LoadRequest(self.location, self.device, early_dtype, extra)
+        )
+        try:
+            self.config = _load_config(self.location.files_dir, trust_remote_code)
+            self.tokenizer = _load_tokenizer(
+                tokenizer or self.location.files_dir, trust_remote_code
+            )
+            self.dtype = resolve_dtype(dtype, self.config)
+            self.load_format = load_format
+            import_model_code(self.config)
+            weights = pending.result()
+        except BaseException:
+            _discard(pending)
+            raise
         read_done = time.perf_counter()
+        if self.dtype != early_dtype:  # a config that only transformers resolves differently
+            weights.close()
+            started = time.perf_counter()
+            weights = loader.load(LoadRequest(self.location, self.device, self.dtype, extra))
+            read_done = time.perf_counter()
         try:
             self.model = build_model(
                 self.config,
@@ -399,6 +415,45 @@ def _parse_extra(extra: Mapping[str, Any] | str | None) -> dict[str, Any]:
             f"model_loader_extra_config must be a JSON object, got {type(extra).__name__}"
         )
     return dict(extra)
+
+
+def _config_json(files_dir: Path) -> Any:
+    """config.json as attributes (enough for ``resolve_dtype``), without transformers."""
+    from types import SimpleNamespace
+
+    try:
+        data = json.loads((Path(files_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        data = {}
+    return SimpleNamespace(
+        dtype=data.get("dtype") if isinstance(data, dict) else None,
+        torch_dtype=data.get("torch_dtype") if isinstance(data, dict) else None,
+    )
+
+
+def _background(fn: Any, *args: Any) -> Any:
+    """Run ``fn`` on a daemon thread; returns a future."""
+    import threading
+    from concurrent.futures import Future
+
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # delivered to the caller through the future
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="tensorstream-weights", daemon=True).start()
+    return future
+
+
+def _discard(pending: Any) -> None:
+    """Wait for a background load that is no longer wanted and release what it holds."""
+    try:
+        pending.result().close()
+    except BaseException:  # noqa: BLE001 - the original error is the one to report
+        pass
 
 
 def _load_config(files_dir: Path, trust_remote_code: bool) -> Any:

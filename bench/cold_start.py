@@ -1,0 +1,191 @@
+"""``python -m bench.cold_start``: new process to first generated token.
+
+For the built-in SmolLM2-135M and a synthetic ~1.5 GiB Llama-shaped model (random
+bf16 weights, SmolLM2's tokenizer), each in a fresh process, warm page cache:
+
+* ``tensorstream-local``: ``LLM(dir, load_format="tensorizer")`` on a directory written
+  by ``tensorstream tensorize``;
+* ``tensorstream-s3``: the same directory in SeaweedFS on loopback (``s3://``);
+* ``transformers``: ``AutoModelForCausalLM.from_pretrained`` of the safetensors directory
+  (bf16), the usual path.
+
+The clock starts before the child process is spawned and stops when it reports its
+first token, so interpreter start-up and imports count for everyone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = "The capital of France is"
+
+_CHILD = r"""
+import json, sys, time
+kind, path = sys.argv[1], sys.argv[2]
+import torch
+if kind == "transformers":
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    ids = tok(sys.argv[3], return_tensors="pt")
+    out = model.generate(**ids, max_new_tokens=1, do_sample=False)
+    token = int(out[0, -1])
+else:
+    from tensorstream.engine import LLM, SamplingParams
+    llm = LLM(path, load_format="tensorizer", dtype="bfloat16")
+    out = llm.generate(sys.argv[3], SamplingParams(max_tokens=1, temperature=0.0))
+    token = out[0].outputs[0].token_ids[0]
+print("FIRST_TOKEN " + json.dumps({"token": token}), flush=True)
+"""
+
+
+def _synthetic_llama(out: Path, target_mib: int) -> Path:
+    """A random bf16 Llama of about ``target_mib`` with SmolLM2's tokenizer files."""
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tensorstream.engine.builtin import materialize_builtin
+
+    base = materialize_builtin()
+    vocab = json.loads((base / "config.json").read_text())["vocab_size"]
+    hidden, inter = 2048, 5632
+    per_layer = (4 * hidden * hidden // 2 + 3 * hidden * inter) * 2  # q,o full; k,v at 1/4
+    layers = max(1, (target_mib * 2**20 - 2 * vocab * hidden * 2) // per_layer)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+        num_hidden_layers=int(layers), num_attention_heads=16, num_key_value_heads=4,
+        max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="bfloat16",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (base / name).exists():
+            shutil.copy(base / name, tmp / name)
+    tmp.rename(out)
+    return out
+
+
+def _tensorize(model_dir: Path, root: Path) -> Path:
+    out = root / "vllm" / model_dir.name / "v1"
+    if not (out / "model.tensors").exists():
+        subprocess.run(
+            [sys.executable, "-m", "tensorstream", "tensorize", "--model", str(model_dir),
+             "serialize", "--serialized-directory", str(root), "--suffix", "v1"],
+            check=True, cwd=REPO,
+        )  # fmt: skip
+    return out
+
+
+def _warm(directory: Path) -> None:
+    for p in directory.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                while f.read(64 << 20):
+                    pass
+
+
+def _run_child(kind: str, path: str, env: dict[str, str]) -> tuple[float, int]:
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, kind, path, PROMPT],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("FIRST_TOKEN "):
+            elapsed = time.perf_counter() - started
+            token = json.loads(line.split(" ", 1)[1])["token"]
+            proc.wait(timeout=120)
+            return elapsed, token
+    _, err = proc.communicate(timeout=60)
+    raise RuntimeError(f"{kind} {path} produced no token:\n{err[-2000:]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.cold_start", description=__doc__)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--size-mib", type=int, default=1536, help="synthetic model size")
+    ap.add_argument("--cache-dir", type=Path, default=REPO / ".bench" / "cold-start")
+    ap.add_argument("--json", type=Path, default=None, help="write raw figures here")
+    args = ap.parse_args(argv)
+
+    from tensorstream.engine.builtin import materialize_builtin
+
+    args.cache_dir.mkdir(parents=True, exist_ok=True)
+    models = {
+        "smollm2-135m": materialize_builtin(),
+        f"llama-{args.size_mib}mib": _synthetic_llama(
+            args.cache_dir / f"llama-{args.size_mib}mib", args.size_mib
+        ),
+    }
+    sys.path.insert(0, str(REPO))
+    from tests.servers.seaweed import S3Server
+
+    workdir = args.cache_dir / "weed"
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir()
+    server = S3Server.start(workdir)
+    rows = []
+    try:
+        client = server.client()
+        client.create_bucket(Bucket="bench")
+        env = dict(os.environ)
+        env.update({
+            "S3_ENDPOINT_URL": server.endpoint, "S3_ACCESS_KEY_ID": server.access_key,
+            "S3_SECRET_ACCESS_KEY": server.secret_key, "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1", "AWS_EC2_METADATA_DISABLED": "true",
+        })  # fmt: skip
+        for name, model_dir in models.items():
+            tensorized = _tensorize(model_dir, args.cache_dir / "tensorized")
+            prefix = f"vllm/{model_dir.name}/v1"
+            for f in tensorized.iterdir():
+                client.upload_file(str(f), "bench", f"{prefix}/{f.name}")
+            cases = {
+                "tensorstream-local": ("tensorstream", str(tensorized)),
+                "tensorstream-s3": ("tensorstream", f"s3://bench/{prefix}"),
+                "transformers": ("transformers", str(model_dir)),
+            }
+            tokens = {}
+            for case, (kind, path) in cases.items():
+                times = []
+                for _ in range(args.repeats):
+                    _warm(model_dir)
+                    _warm(tensorized)
+                    _warm(workdir)
+                    seconds, token = _run_child(kind, path, env)
+                    times.append(seconds)
+                    tokens[case] = token
+                rows.append({"model": name, "case": case, "median_s": statistics.median(times),
+                             "min_s": min(times), "max_s": max(times)})  # fmt: skip
+                print(f"{name:16} {case:20} median {statistics.median(times):6.2f} s "
+                      f"(min {min(times):.2f}, max {max(times):.2f})", flush=True)  # fmt: skip
+            if len(set(tokens.values())) != 1:
+                print(f"WARNING: first tokens differ for {name}: {tokens}", flush=True)
+    finally:
+        server.stop()
+    print("\n| model | case | median s | vs transformers |\n|---|---|---:|---:|")
+    for row in rows:
+        ref = next(r for r in rows if r["model"] == row["model"] and r["case"] == "transformers")
+        print(f"| {row['model']} | {row['case']} | {row['median_s']:.2f} | "
+              f"{row['median_s'] / ref['median_s']:.2f}x |")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
