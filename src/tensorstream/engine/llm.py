@@ -136,9 +136,8 @@ class LLM:
         # tokenizer are parsed: that import alone takes seconds, long enough to stream a
         # good part of a model from S3. The dtype comes from config.json, no import needed.
         early_dtype = resolve_dtype(dtype, _config_json(self.location.files_dir))
-        started = time.perf_counter()
         pending = _background(
-            loader.load, LoadRequest(self.location, self.device, early_dtype, extra)
+            _timed, loader.load, LoadRequest(self.location, self.device, early_dtype, extra)
         )
         try:
             self.config = _load_config(self.location.files_dir, trust_remote_code)
@@ -148,16 +147,16 @@ class LLM:
             self.dtype = resolve_dtype(dtype, self.config)
             self.load_format = load_format
             import_model_code(self.config)
-            weights = pending.result()
+            weights, read_seconds = pending.result()
         except BaseException:
             _discard(pending)
             raise
-        read_done = time.perf_counter()
         if self.dtype != early_dtype:  # a config that only transformers resolves differently
             weights.close()
-            started = time.perf_counter()
-            weights = loader.load(LoadRequest(self.location, self.device, self.dtype, extra))
-            read_done = time.perf_counter()
+            weights, read_seconds = _timed(
+                loader.load, LoadRequest(self.location, self.device, self.dtype, extra)
+            )
+        build_started = time.perf_counter()
         try:
             self.model = build_model(
                 self.config,
@@ -173,8 +172,8 @@ class LLM:
             self.load_format,
             weights.uri,
             weights.nbytes,
-            read_done - started,
-            time.perf_counter() - read_done,
+            read_seconds,
+            time.perf_counter() - build_started,
         )
         stats = self.load_stats
         logger.info(
@@ -448,10 +447,17 @@ def _background(fn: Any, *args: Any) -> Any:
     return future
 
 
+def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    """``fn(*args)`` and the seconds it took (the read time, even when overlapped)."""
+    started = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - started
+
+
 def _discard(pending: Any) -> None:
     """Wait for a background load that is no longer wanted and release what it holds."""
     try:
-        pending.result().close()
+        pending.result()[0].close()
     except BaseException:  # noqa: BLE001 - the original error is the one to report
         pass
 
