@@ -211,6 +211,22 @@ def _needs_long(shape: Sequence[int]) -> bool:
     return any(d >= 1 << 32 for d in shape)
 
 
+def _unpack_dtype_shape(
+    view: memoryview, pos: int, long_shape: bool
+) -> tuple[str, tuple[int, ...], int]:
+    """``u8 len, dtype bytes, u8 ndim, dims`` (u32, or u64 for long tensors) at ``pos``."""
+    (dtype_len,) = struct.unpack_from("<B", view, pos)
+    pos += 1
+    raw = bytes(view[pos : pos + dtype_len])
+    if len(raw) != dtype_len:
+        raise struct.error("short dtype")
+    pos += dtype_len
+    (ndim,) = struct.unpack_from("<B", view, pos)
+    fmt = f"<{ndim}{'Q' if long_shape else 'I'}"
+    shape = struct.unpack_from(fmt, view, pos + 1)
+    return raw.decode("utf-8"), tuple(shape), pos + 1 + struct.calcsize(fmt)
+
+
 def pack_metadata(entries: Sequence[IndexEntry], versioned: bool) -> bytes:
     """Metadata entries, concatenated (without the u64 length prefix or padding)."""
     out = bytearray()
@@ -257,15 +273,8 @@ def unpack_metadata(
             if len(raw_name) != name_len:
                 raise struct.error("short name")
             pos += name_len
-            tensor_type, dtype_len = struct.unpack_from("<BB", view, pos)
-            pos += 2
-            dtype = bytes(view[pos : pos + dtype_len]).decode("utf-8")
-            pos += dtype_len
-            (ndim,) = struct.unpack_from("<B", view, pos)
-            pos += 1
-            fmt = f"<{ndim}{'Q' if long_shape else 'I'}"
-            shape = struct.unpack_from(fmt, view, pos)
-            pos += struct.calcsize(fmt)
+            (tensor_type,) = struct.unpack_from("<B", view, pos)
+            dtype, shape, pos = _unpack_dtype_shape(view, pos + 1, long_shape)
             header_offset, data_offset, data_length = struct.unpack_from("<QQQ", view, pos)
             pos += 24
             if tensor_type > TENSOR_TYPE_STATE_DICT:
@@ -413,15 +422,7 @@ def unpack_tensor_header(
         pos = 13
         raw_name = bytes(view[pos : pos + name_len])
         pos += name_len
-        (dtype_len,) = struct.unpack_from("<B", view, pos)
-        pos += 1
-        dtype = bytes(view[pos : pos + dtype_len]).decode("utf-8")
-        pos += dtype_len
-        (ndim,) = struct.unpack_from("<B", view, pos)
-        pos += 1
-        fmt = f"<{ndim}{'Q' if long_shape else 'I'}"
-        shape = struct.unpack_from(fmt, view, pos)
-        pos += struct.calcsize(fmt)
+        dtype, shape, pos = _unpack_dtype_shape(view, pos, long_shape)
         hash_len, count = struct.unpack_from("<HB", view, pos)
         section_end = pos + 2 + hash_len
         pos += 3

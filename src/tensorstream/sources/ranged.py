@@ -27,7 +27,7 @@ from tensorstream.errors import (
     SourceNotFoundError,
     TruncatedFileError,
 )
-from tensorstream.sources.base import RangeReader, StorageOptions
+from tensorstream.sources.base import RangeReader, Source, StorageOptions
 from tensorstream.sources.connection import clean_error as _clean
 from tensorstream.sources.connection import make_pool
 from tensorstream.sources.retry import TRANSIENT_STATUSES, RetryBudget
@@ -475,3 +475,48 @@ class HttpRangeReader(RangeReader):
         cursor = self._cursor
         _finish(cursor.resp)
         cursor.resp = None
+
+
+class RangedSource(Source):
+    """What HTTP and S3 sources share: a probed object read through ``RangedHttp``.
+
+    Subclasses set ``display_uri``, ``_http`` (a ``RangedHttp``) and ``_info`` (its probe).
+    """
+
+    _http: RangedHttp
+    _info: ObjectInfo
+
+    @property
+    def size(self) -> int:
+        return self._info.size
+
+    @property
+    def supports_ranges(self) -> bool:
+        """False when the server ignores Range.
+
+        Then only one sequential reader works: ``open_range``/``read_into`` starting in
+        the first ``NORANGE_PREFIX`` bytes (16 MiB) are served by a GET from byte 0;
+        later starts raise ``RangeNotSupportedError``.
+        """
+        return self._info.supports_ranges
+
+    @property
+    def etag(self) -> str | None:
+        return self._info.etag
+
+    @property
+    def last_modified(self) -> str | None:
+        return self._info.last_modified
+
+    @property
+    def preferred_readers(self) -> int:
+        return RANGED_READERS if self._info.supports_ranges else 1
+
+    def read_into(self, offset: int, buf: memoryview) -> None:
+        self._http.read_into(offset, buf)
+
+    def open_range(self, start: int, end: int) -> RangeReader:
+        return self._http.open_range(start, end)
+
+    def close(self) -> None:
+        self._http.close()

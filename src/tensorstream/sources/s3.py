@@ -31,9 +31,9 @@ from tensorstream.errors import (
     SourceError,
     SourceNotFoundError,
 )
-from tensorstream.sources.base import RangeReader, Sink, Source, StorageOptions
+from tensorstream.sources.base import Sink, StorageOptions
 from tensorstream.sources.credentials import S3Credentials, resolve_s3_credentials
-from tensorstream.sources.ranged import RangedHttp
+from tensorstream.sources.ranged import RangedHttp, RangedSource
 from tensorstream.sources.uri import ParsedURI, parse_uri
 
 __all__ = ["S3Sink", "S3Source", "object_url", "write_object"]
@@ -41,7 +41,6 @@ __all__ = ["S3Sink", "S3Source", "object_url", "write_object"]
 _log = logging.getLogger("tensorstream.sources")
 
 #: Readers for S3; measured on SeaweedFS loopback (see report); real S3 scales further.
-_S3_READERS = 4
 _MIB = 1 << 20
 #: S3's minimum for every part but the last (tests lower it to keep uploads small).
 _MIN_PART = 5 * _MIB
@@ -97,7 +96,7 @@ def _denied(uri: str, what: str, creds: S3Credentials) -> AccessDeniedError:
     )
 
 
-class S3Source(Source):
+class S3Source(RangedSource):
     """An S3 object read with SigV4-signed ranged GETs by several readers.
 
     Args:
@@ -136,31 +135,6 @@ class S3Source(Source):
     def credentials(self) -> S3Credentials:
         """Where the keys, endpoint and region came from (the repr hides secrets)."""
         return self._creds
-
-    @property
-    def size(self) -> int:
-        return self._info.size
-
-    @property
-    def etag(self) -> str | None:
-        return self._info.etag
-
-    @property
-    def supports_ranges(self) -> bool:
-        return True
-
-    @property
-    def preferred_readers(self) -> int:
-        return _S3_READERS
-
-    def read_into(self, offset: int, buf: memoryview) -> None:
-        self._http.read_into(offset, buf)
-
-    def open_range(self, start: int, end: int) -> RangeReader:
-        return self._http.open_range(start, end)
-
-    def close(self) -> None:
-        self._http.close()
 
     def _sign(self, method: str, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
         keys = self._creds.keys()
