@@ -95,6 +95,24 @@ def load_cpu(
             pipeline.process(r, header, data, verify)  # type: ignore[arg-type]
         pipeline.finish(r, tensor)  # type: ignore[arg-type]
 
+    to_read = [i for i, r in enumerate(records) if data_views[i] is not None and r.data_length]
+    if fmap is not None and records and not to_read:
+        # Every tensor is a view of the page cache: nothing to read, only read-ahead to
+        # ask for, then the per-tensor work. Without hashing that is a few header checks,
+        # cheaper inline than on threads. With hashing, biggest first, so the largest
+        # tensor (often the last one, lm_head) does not finish alone on one core.
+        start, end = records[0].header_offset, max(r.end for r in records)
+        fmap.prefetch(start, end - start)
+        order = sorted(range(len(records)), key=lambda i: -records[i].data_length)
+        if verify:
+            for future in [cpu_pool().submit(on_complete, i) for i in order]:
+                future.result()
+        else:
+            for i in order:
+                on_complete(i)
+        progress(sum(r.data_length for r in records))
+        return
+
     has_headers = pipeline.index.has_headers
     remaining = [(r.header_size if has_headers else 0) + r.data_length for r in records]
     plan = plan_ranges(records, readers, split_records=True)
