@@ -27,6 +27,7 @@ from tensorstream.engine.outputs import RequestOutput
 from tensorstream.engine.resolve import ModelLocation, resolve_model
 from tensorstream.engine.sampling import SamplingParams
 from tensorstream.errors import ConfigError, SourceNotFoundError
+from tensorstream.utils.jsonarg import json_object
 
 __all__ = ["LLM", "LoadStats"]
 
@@ -402,18 +403,7 @@ def _storage_from_extra(extra: Mapping[str, Any]) -> Any:
 
 
 def _parse_extra(extra: Mapping[str, Any] | str | None) -> dict[str, Any]:
-    if extra is None or extra == "":
-        return {}
-    if isinstance(extra, str):
-        try:
-            extra = json.loads(extra)
-        except ValueError as exc:
-            raise ConfigError(f"model_loader_extra_config is not valid JSON: {exc}") from exc
-    if not isinstance(extra, Mapping):
-        raise ConfigError(
-            f"model_loader_extra_config must be a JSON object, got {type(extra).__name__}"
-        )
-    return dict(extra)
+    return json_object(extra, "model_loader_extra_config")
 
 
 def _config_json(files_dir: Path) -> Any:

@@ -19,7 +19,6 @@ option honoured. Argument parsing lives in ``tensorstream.cli.tensorize``.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
 import secrets
@@ -31,6 +30,7 @@ from typing import Any
 
 from tensorstream.errors import ConfigError, SourceNotFoundError
 from tensorstream.sources.base import StorageOptions
+from tensorstream.utils.jsonarg import json_object
 
 __all__ = [
     "LoadOptions",
@@ -142,15 +142,7 @@ def _accepted(func: Any, blocked: set[str]) -> set[str]:
 def _check_kwargs(
     kind: str, kwargs: Mapping[str, Any] | str | None, accepted: set[str], hints: Mapping[str, str]
 ) -> dict[str, Any]:
-    if kwargs is None or kwargs == "":
-        return {}
-    if isinstance(kwargs, str):
-        try:
-            kwargs = json.loads(kwargs)
-        except ValueError as exc:
-            raise ConfigError(f"--{kind} is not valid JSON: {exc}") from exc
-    if not isinstance(kwargs, Mapping):
-        raise ConfigError(f"--{kind} must be a JSON object, got {type(kwargs).__name__}")
+    kwargs = json_object(kwargs, f"--{kind}")
     for key in kwargs:
         if key in hints:
             raise ConfigError(f"--{kind} key {key!r} is not accepted here: {hints[key]}")

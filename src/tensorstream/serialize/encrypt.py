@@ -2,6 +2,9 @@
 
 Tensor data is hashed as plaintext first (the format's rule), then copied into a
 staging buffer and encrypted there, so the caller's tensors are never modified.
+Staging buffers are reused once their record is written: fresh memory is slow to
+touch on these machines (a new buffer per tensor made encrypted saves 1.5x slower
+than encrypting in place the way tensorizer does).
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from typing import Any
 from tensorstream.errors import ConfigError, SerializationError
 
 __all__ = ["RecordEncryptor"]
+
+#: Staging memory kept for reuse between records.
+_MAX_FREE_BYTES = 512 << 20
 
 
 class RecordEncryptor:
@@ -32,6 +38,8 @@ class RecordEncryptor:
         self._params = params
         self._nonces: set[bytes] = set()
         self._lock = threading.Lock()
+        self._free: list[bytearray] = []  # touched staging buffers, smallest first
+        self._free_bytes = 0
 
     def crypt_info_len(self, data_length: int | None) -> int:
         """Size of the CryptInfo body (without its u64 length) for this much data."""
@@ -47,7 +55,9 @@ class RecordEncryptor:
         """Encrypt a copy of ``plaintext``; return the ciphertext and CryptInfo body."""
         if len(plaintext) == 0:
             return plaintext, self.empty_crypt_info()
-        buf = bytearray(plaintext)
+        buf = self._staging(len(plaintext))
+        view = memoryview(buf)[: len(plaintext)]
+        view[:] = plaintext
         with self._lock:
             while True:
                 nonce = self._crypto.random_nonce()
@@ -55,7 +65,7 @@ class RecordEncryptor:
                     self._nonces.add(nonce)
                     break
         info = self._crypto.seal_tensor(
-            buf,
+            view,
             self._params.key,
             key_derivation=self._params.key_derivation,
             nonce=nonce,
@@ -64,4 +74,23 @@ class RecordEncryptor:
         body = self._crypto.pack_crypt_info(info)[8:]
         if len(body) != self.crypt_info_len(len(plaintext)):
             raise SerializationError("internal error: CryptInfo size differs from its plan")
-        return memoryview(buf), body
+        return view, body
+
+    def _staging(self, size: int) -> bytearray:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if len(buf) >= size:
+                    self._free_bytes -= len(buf)
+                    return self._free.pop(i)
+        return bytearray(size)
+
+    def release(self, payload: memoryview) -> None:
+        """Return the staging buffer behind ``payload`` (from ``encrypt``) for reuse."""
+        buf = payload.obj
+        if not isinstance(buf, bytearray) or not len(buf):
+            return
+        with self._lock:
+            if self._free_bytes + len(buf) <= _MAX_FREE_BYTES:
+                self._free.append(buf)
+                self._free.sort(key=len)
+                self._free_bytes += len(buf)

@@ -391,6 +391,8 @@ class TensorSerializer:
                     )
                 self._sink.write(header)
                 self._sink.write(payload)
+            if record.encrypted and self._encryptor is not None:
+                self._encryptor.release(payload)  # written: its staging buffer is free
             with lock:
                 inflight_copy -= _copy_cost(record)
             progress.update(record.layout.data_length)
