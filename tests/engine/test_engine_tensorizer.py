@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tensorstream.engine import LLM, SamplingParams
+from tensorstream.errors import ConfigError
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6)
 PROMPTS = ["The quick brown fox", "Hello there, general"]
@@ -81,7 +82,7 @@ def test_real_tensorizer_file_loads(tmp_path, tiny_model):
     ]
 
 
-def test_extra_config_uri_with_rank_template(tmp_path, tiny_model):
+def test_extra_config_uri_and_rank_template(tmp_path, tiny_model):
     import transformers
 
     from tensorstream import TensorSerializer
@@ -92,8 +93,13 @@ def test_extra_config_uri_with_rank_template(tmp_path, tiny_model):
     with TensorSerializer(str(elsewhere / "model-rank-000.tensors")) as serializer:
         serializer.write_module(transformers.AutoModelForCausalLM.from_pretrained(model_dir))
     files = serialized_dir(tmp_path, model_dir, "files")
+    templated = {
+        "tensorizer_config": {"tensorizer_uri": str(elsewhere / "model-rank-%03d.tensors")}
+    }
+    with pytest.raises(ConfigError, match="tensor-parallel shards.*not supported yet"):
+        LLM(str(files), device="cpu", model_loader_extra_config=templated)
     extra = {
-        "tensorizer_config": {"tensorizer_uri": str(elsewhere / "model-rank-%03d.tensors")},
+        "tensorizer_config": {"tensorizer_uri": str(elsewhere / "model-rank-000.tensors")},
         "verify_hash": True,
     }
     llm = LLM(str(files), device="cpu", model_loader_extra_config=extra)  # auto -> tensorizer

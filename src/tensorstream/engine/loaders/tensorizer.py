@@ -2,7 +2,7 @@
 
 ``model_loader_extra_config`` follows vLLM's tensorizer keys, flat or nested
 under ``"tensorizer_config"``: ``tensorizer_uri`` (file to read; may hold a
-``%0Nd`` rank template, rendered with rank 0), ``tensorizer_dir`` (directory
+``%0Nd`` rank templates are refused: no sharding yet), ``tensorizer_dir`` (directory
 holding ``model.tensors``), ``num_readers``, ``verify_hash``,
 ``encryption_keyfile``, ``deserialization_kwargs`` (passed to the
 deserializer), and the S3 options ``s3_access_key_id``,
@@ -83,8 +83,13 @@ class TensorizerLoadOptions:
         from tensorstream.sources.uri import join_uri
 
         if self.tensorizer_uri:
-            # A single process is rank 0 of a tensor-parallel set of one.
-            return _RANK_TEMPLATE.sub(lambda m: m.group(0) % 0, self.tensorizer_uri)
+            if _RANK_TEMPLATE.search(self.tensorizer_uri):
+                raise ConfigError(
+                    f"tensorizer_uri {self.tensorizer_uri!r} names tensor-parallel shards "
+                    "(one file per rank); sharded loading is not supported yet. Serialize "
+                    "with tensor_parallel_size=1 and give that model.tensors"
+                )
+            return self.tensorizer_uri
         return join_uri(self.tensorizer_dir or weights_dir, "model.tensors")
 
 
