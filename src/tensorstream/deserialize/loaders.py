@@ -98,13 +98,13 @@ def load_cpu(
     to_read = [i for i, r in enumerate(records) if data_views[i] is not None and r.data_length]
     if fmap is not None and records and not to_read:
         # Every tensor is a view of the page cache: nothing to read, only read-ahead to
-        # ask for, then the per-tensor work. Without hashing or decryption that is a few
-        # header checks, cheaper inline than on threads. Otherwise biggest first, so the
-        # largest tensor (often the last one, lm_head) does not finish alone on one core.
+        # ask for, then the per-tensor work. Without hashing that is a few header checks,
+        # cheaper inline than on threads. With hashing, biggest first, so the largest
+        # tensor (often the last one, lm_head) does not finish alone on one core.
         start, end = records[0].header_offset, max(r.end for r in records)
         fmap.prefetch(start, end - start)
         order = sorted(range(len(records)), key=lambda i: -records[i].data_length)
-        if verify or pipeline.decryptor is not None:
+        if verify:
             for future in [cpu_pool().submit(on_complete, i) for i in order]:
                 future.result()
         else:

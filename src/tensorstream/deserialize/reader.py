@@ -266,13 +266,8 @@ class TensorDeserializer(Mapping[Any, Any]):
         return 1
 
     def _map_file(self) -> FileMap | None:
-        """The page-cache mapping for CPU loads of local files.
-
-        Encrypted tensors are decrypted in place in the (private) mapping: the first
-        write to each page copies it from the page cache, which is cheaper than reading
-        into fresh memory, where every page is zeroed first and then overwritten.
-        """
-        if not self._use_mmap or not self._source.local_path:
+        """The page-cache mapping for CPU loads of local, unencrypted files."""
+        if not self._use_mmap or not self._source.local_path or self._decryptor is not None:
             return None
         if self._file_map is None:
             self._file_map = FileMap(self._source)
