@@ -75,9 +75,9 @@ def test_tensorizer_options_parse():
             }
         }
     )
-    assert (
-        nested.uri_for("/unused") == "s3://b/m/model-rank-000.tensors" and nested.num_readers == 4
-    )
+    assert nested.num_readers == 4
+    with pytest.raises(ConfigError, match="tensor-parallel shards.*not supported yet"):
+        nested.uri_for("/unused")
     flat = TensorizerLoadOptions.from_extra({"tensorizer_dir": "s3://b/m", "verify_hash": 1})
     assert flat.uri_for("/unused") == "s3://b/m/model.tensors" and flat.verify_hash is True
     assert TensorizerLoadOptions.from_extra({}).uri_for("/models/x") == "/models/x/model.tensors"
