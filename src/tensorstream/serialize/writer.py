@@ -429,20 +429,25 @@ class TensorSerializer:
         layout = record.layout
         pending = record.pending
         hash_types = hash_types_for(record.encrypted and layout.data_length > 0)
-        # The hashes cover the header with hash values zeroed and the CryptInfo cut out,
-        # but its size field still counts the CryptInfo.
-        zero_header = bytearray(
-            pack_tensor_header(
+
+        def header_with(hashes: list[tuple[int, bytes]], crypt_info: bytes | None) -> bytearray:
+            return pack_tensor_header(
                 module_idx=pending.module_idx,
                 tensor_type=pending.tensor_type,
                 raw_name=pending.raw_name,
                 dtype=record.dtype,
                 shape=record.shape,
-                hashes=[(t, bytes(4 if t == HASH_CRC32 else 32)) for t in hash_types],
+                hashes=hashes,
                 data_length=layout.data_length,
+                crypt_info=crypt_info,
                 long_shape=record.long_shape,
                 padding=layout.padding,
             )
+
+        # The hashes cover the header with hash values zeroed and the CryptInfo cut out,
+        # but its size field still counts the CryptInfo.
+        zero_header = header_with(
+            [(t, bytes(4 if t == HASH_CRC32 else 32)) for t in hash_types], None
         )
         struct.pack_into("<Q", zero_header, 0, layout.header_size)
         zero_header = bytes(zero_header)
@@ -472,18 +477,7 @@ class TensorSerializer:
                     payload, crypt_info = encryptor.encrypt(data)
                 else:
                     crypt_info = encryptor.empty_crypt_info()
-            header = pack_tensor_header(
-                module_idx=pending.module_idx,
-                tensor_type=pending.tensor_type,
-                raw_name=pending.raw_name,
-                dtype=record.dtype,
-                shape=record.shape,
-                hashes=hashes,
-                data_length=layout.data_length,
-                crypt_info=crypt_info,
-                long_shape=record.long_shape,
-                padding=layout.padding,
-            )
+            header = header_with(hashes, crypt_info)
             if len(header) != layout.header_size:
                 raise SerializationError(
                     f"internal error: header of {pending.display_name!r} is {len(header)} "
