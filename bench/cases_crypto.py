@@ -1,6 +1,6 @@
 """Quick encrypted save/load benchmark: tensorstream vs tensorizer 2.12.1, local, fresh processes.
 
-``python -m bench.cases_crypto [--size-mib 256] [--repeats 2]`` builds an fp32 state dict,
+``python -m bench.cases_crypto [--size-mib 256] [--repeats 2] [--s3]`` builds an fp32 state dict,
 then runs each measurement in its own process (warm page cache): encrypted save (ours,
 tensorizer), encrypted load to CPU (ours with manifest check, tensorizer), and the
 reference: in-place secretbox decryption of an already-touched buffer on all cores.
@@ -104,7 +104,75 @@ def w_decrypt_reference(d: str, size: int) -> float:
     return time.perf_counter() - t
 
 
+def _tz_stream(name: str, mode: str):  # noqa: ANN202 - tensorizer's stream type
+    from tensorizer import stream_io
+
+    return stream_io.open_stream(
+        f"s3://{_BUCKET}/{name}", mode,
+        s3_access_key_id=os.environ["S3_ACCESS_KEY_ID"],
+        s3_secret_access_key=os.environ["S3_SECRET_ACCESS_KEY"],
+        s3_endpoint=os.environ["S3_ENDPOINT_URL"], force_http=True,
+    )  # fmt: skip
+
+
+def w_ours_s3_save(d: str, size: int) -> float:
+    from tensorstream.crypto import EncryptionParams
+    from tensorstream.serialize.writer import TensorSerializer
+
+    sd = _state_dict(size)
+    t = time.perf_counter()
+    with TensorSerializer(
+        f"s3://{_BUCKET}/ours.tensors", encryption=EncryptionParams(_key(d))
+    ) as s:
+        s.write_state_dict(sd)
+    return time.perf_counter() - t
+
+
+def w_tz_s3_save(d: str, size: int) -> float:
+    import tensorizer
+
+    sd = _state_dict(size)
+    t = time.perf_counter()
+    stream = _tz_stream("tz.tensors", "wb")
+    s = tensorizer.TensorSerializer(stream, encryption=tensorizer.EncryptionParams(_key(d)))
+    s.write_state_dict(sd)
+    s.close()
+    stream.close()  # the upload happens here
+    return time.perf_counter() - t
+
+
+def w_ours_s3_load(d: str, size: int) -> float:
+    from tensorstream.crypto import DecryptionParams
+    from tensorstream.deserialize.reader import TensorDeserializer
+
+    t = time.perf_counter()
+    with TensorDeserializer(
+        f"s3://{_BUCKET}/ours.tensors", device="cpu",
+        encryption=DecryptionParams.from_key(_key(d)),
+    ) as des:  # fmt: skip
+        assert len(des) > 0
+    return time.perf_counter() - t
+
+
+def w_tz_s3_load(d: str, size: int) -> float:
+    import tensorizer
+
+    t = time.perf_counter()
+    with tensorizer.TensorDeserializer(
+        _tz_stream("tz.tensors", "rb"), device="cpu",
+        encryption=tensorizer.DecryptionParams.from_key(_key(d)),
+    ) as des:  # fmt: skip
+        assert len(des) > 0
+    return time.perf_counter() - t
+
+
+_BUCKET = "crypto-bench"
+
 WORKERS = {
+    "ours-s3-save": w_ours_s3_save,
+    "tensorizer-s3-save": w_tz_s3_save,
+    "ours-s3-load": w_ours_s3_load,
+    "tensorizer-s3-load": w_tz_s3_load,
     "ours-save": w_ours_save,
     "tensorizer-save": w_tz_save,
     "ours-load": w_ours_load,
@@ -114,6 +182,22 @@ WORKERS = {
 }
 _ORDER = ["ours-save", "tensorizer-save", "ours-load", "ours-load-tensorizer-file",
           "tensorizer-load", "decrypt-all-cores"]  # fmt: skip
+
+
+def _start_s3(d: str):  # noqa: ANN202 - tests.servers type
+    """SeaweedFS on loopback; its address and keys reach the workers through S3_*."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.servers.seaweed import S3Server
+
+    server = S3Server.start(Path(d) / "weed")
+    server.client().create_bucket(Bucket=_BUCKET)
+    os.environ.update({
+        "S3_ENDPOINT_URL": server.endpoint, "S3_ACCESS_KEY_ID": server.access_key,
+        "S3_SECRET_ACCESS_KEY": server.secret_key, "AWS_EC2_METADATA_DISABLED": "true",
+    })  # fmt: skip
+    return server
 
 
 def _child(name: str, d: str, size: int) -> float:
@@ -129,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cases_crypto")
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--s3", action="store_true", help="also save/load through SeaweedFS")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -136,22 +221,35 @@ def main(argv: list[str] | None = None) -> int:
         print(WORKERS[args.worker](args.dir, args.size_mib))
         return 0
     size = max(1, args.size_mib // _TENSOR_MIB) * _TENSOR_MIB
+    order = list(_ORDER)
     with tempfile.TemporaryDirectory(prefix="ts-crypto-bench-") as d:
-        with open(os.path.join(d, "bench.key"), "wb") as f:
-            f.write(os.urandom(32))
-        best: dict[str, float] = {}
-        for _ in range(args.repeats):
-            for name in _ORDER:
-                secs = _child(name, d, size)
-                best[name] = min(best.get(name, secs), secs)
+        server = _start_s3(d) if args.s3 else None
+        try:
+            if server is not None:
+                order += ["ours-s3-save", "tensorizer-s3-save", "ours-s3-load",
+                          "tensorizer-s3-load"]  # fmt: skip
+            with open(os.path.join(d, "bench.key"), "wb") as f:
+                f.write(os.urandom(32))
+            best: dict[str, float] = {}
+            for _ in range(args.repeats):
+                for name in order:
+                    secs = _child(name, d, size)
+                    best[name] = min(best.get(name, secs), secs)
+        finally:
+            if server is not None:
+                server.stop()
         gbs = {k: (size << 20) / v / 1e9 for k, v in best.items()}
-        for k in _ORDER:
+        for k in order:
             print(json.dumps({"case": k, "mib": size, "seconds": round(best[k], 4),
                               "GB/s": round(gbs[k], 3)}))  # fmt: skip
         print(f"cpus={os.cpu_count()}  load ours/tensorizer = "
               f"{gbs['ours-load'] / gbs['tensorizer-load']:.2f}x, ours/decrypt-reference = "
               f"{gbs['ours-load'] / gbs['decrypt-all-cores']:.0%}, save ours/tensorizer = "
               f"{gbs['ours-save'] / gbs['tensorizer-save']:.2f}x")  # fmt: skip
+        if server is not None:
+            print(f"s3: load ours/tensorizer = "
+                  f"{gbs['ours-s3-load'] / gbs['tensorizer-s3-load']:.2f}x, save ours/tensorizer = "
+                  f"{gbs['ours-s3-save'] / gbs['tensorizer-s3-save']:.2f}x")  # fmt: skip
     return 0
 
 
