@@ -23,6 +23,13 @@ def _state() -> dict[str, torch.Tensor]:
     }
 
 
+def _write(tmp_path, sd: dict[str, torch.Tensor], key: EncryptionParams | None = None):
+    path = tmp_path / "m.tensors"
+    with TensorSerializer(path, encryption=key) as s:
+        s.write_state_dict(sd)
+    return path
+
+
 @pytest.fixture()
 def staged(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(TensorDeserializer, "_force_staged", True)
@@ -42,9 +49,7 @@ def _check(loaded: TensorDeserializer, sd: dict[str, torch.Tensor]) -> None:
 @pytest.mark.parametrize("readers", [1, 3])
 def test_staged_plain(tmp_path, staged, verify: bool, readers: int) -> None:
     sd = _state()
-    path = tmp_path / "m.tensors"
-    with TensorSerializer(path) as s:
-        s.write_state_dict(sd)
+    path = _write(tmp_path, sd)
     loaded = TensorDeserializer(path, device="cpu", verify_hash=verify, num_readers=readers)
     _check(loaded, sd)
 
@@ -53,9 +58,7 @@ def test_staged_plain(tmp_path, staged, verify: bool, readers: int) -> None:
 def test_staged_encrypted(tmp_path, staged, verify: bool) -> None:
     sd = _state()
     key = EncryptionParams.random()
-    path = tmp_path / "m.tensors"
-    with TensorSerializer(path, encryption=key) as s:
-        s.write_state_dict(sd)
+    path = _write(tmp_path, sd, key)
     loaded = TensorDeserializer(
         path,
         device="cpu",
@@ -68,9 +71,7 @@ def test_staged_encrypted(tmp_path, staged, verify: bool) -> None:
 
 def test_staged_detects_corruption(tmp_path, staged) -> None:
     sd = _state()
-    path = tmp_path / "m.tensors"
-    with TensorSerializer(path) as s:
-        s.write_state_dict(sd)
+    path = _write(tmp_path, sd)
     from tensorstream.deserialize.index import read_index
     from tensorstream.sources import open_source
 
@@ -95,9 +96,7 @@ def test_staging_size_is_bounded_and_quantized() -> None:
 @pytest.mark.parametrize("verify", [False, True])
 def test_cuda_load_matches(tmp_path, verify: bool) -> None:
     sd = _state()
-    path = tmp_path / "m.tensors"
-    with TensorSerializer(path) as s:
-        s.write_state_dict(sd)
+    path = _write(tmp_path, sd)
     loaded = TensorDeserializer(path, device="cuda", verify_hash=verify, num_readers=4)
     assert loaded["big"].device.type == "cuda"
     _check(loaded, sd)
@@ -107,9 +106,7 @@ def test_cuda_load_matches(tmp_path, verify: bool) -> None:
 def test_cuda_encrypted_and_dtype(tmp_path) -> None:
     sd = _state()
     key = EncryptionParams.random()
-    path = tmp_path / "m.tensors"
-    with TensorSerializer(path, encryption=key) as s:
-        s.write_state_dict(sd)
+    path = _write(tmp_path, sd, key)
     loaded = TensorDeserializer(
         path,
         device="cuda",
