@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import hashlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -24,6 +25,7 @@ from tensorstream.crypto import (
     encrypt_sequential,
     nonce_at,
     open_tensor,
+    seal_copy,
     seal_tensor,
     shared_pool,
     sodium,
@@ -195,6 +197,45 @@ def test_seal_and_open_tensor() -> None:
     with ThreadPoolExecutor(2) as pool:
         open_tensor(buf, info, KEY, executor=pool)
     assert bytes(buf) == plain
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("n", [1, CHUNK, 3 * CHUNK + 77])
+def test_seal_copy_equals_hash_then_seal_and_leaves_the_source_alone(n: int, threads: int) -> None:
+    src = _data(n)
+    plain = bytes(src)
+    dst = bytearray(n + 100)  # larger than needed: only the first n bytes are written
+    dst[n:] = b"\xee" * 100
+    hasher = hashlib.sha256(b"header")
+    pool = ThreadPoolExecutor(threads) if threads else None
+    try:
+        info = seal_copy(src, dst, KEY, hasher=hasher, chunk_size=CHUNK, nonce=NONCE, executor=pool)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    assert bytes(src) == plain
+    assert hasher.digest() == hashlib.sha256(b"header" + plain).digest()  # hashes the plaintext
+    reference = bytearray(plain)
+    assert info == seal_tensor(reference, KEY, chunk_size=CHUNK, nonce=NONCE)
+    assert bytes(dst[:n]) == bytes(reference) and bytes(dst[n:]) == b"\xee" * 100
+    opened = bytearray(dst[:n])
+    open_tensor(opened, info, KEY)
+    assert bytes(opened) == plain
+
+
+def test_seal_copy_edges() -> None:
+    kdf = KeyDerivation(opslimit=1, memlimit=8192, salt=bytes(16))
+    hasher = hashlib.sha256(b"h")
+    assert seal_copy(b"", bytearray(), KEY, hasher=hasher, key_derivation=kdf) is EMPTY
+    assert hasher.digest() == hashlib.sha256(b"h").digest()
+    info = seal_copy(
+        torch.arange(600, dtype=torch.int16).numpy(), bytearray(1200), KEY, key_derivation=kdf
+    )
+    assert info.chunks[0] == kdf and len(info.cipher().macs) == 1
+    with pytest.raises(ConfigError, match="holds 10 bytes, need 20"):
+        seal_copy(bytes(20), bytearray(10), KEY)
+    with pytest.raises(ConfigError, match="exactly 32 bytes"):
+        seal_copy(bytes(20), bytearray(20), KEY[:5])
 
 
 def test_zero_length_tensors() -> None:

@@ -51,6 +51,7 @@ from tensorstream.crypto.secretbox import (
     open_tensor,
     random_nonce,
     seal_chunk,
+    seal_copy,
     seal_tensor,
     shared_pool,
 )
@@ -85,6 +86,7 @@ __all__ = [
     "random_nonce",
     "read_keyfile",
     "seal_chunk",
+    "seal_copy",
     "seal_tensor",
     "sealed_crypt_info_size",
     "shared_pool",

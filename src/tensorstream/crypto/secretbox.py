@@ -49,6 +49,7 @@ __all__ = [
     "open_tensor",
     "random_nonce",
     "seal_chunk",
+    "seal_copy",
     "seal_tensor",
     "shared_pool",
 ]
@@ -141,9 +142,17 @@ def seal_chunk(addr: int, nbytes: int, key: bytes, nonce: bytes) -> bytes:
     return mac.raw
 
 
-def open_chunk(addr: int, nbytes: int, key: bytes, nonce: bytes, mac: bytes) -> bool:
-    """Verify and decrypt ``nbytes`` at ``addr`` in place; False (memory untouched) on a bad MAC."""
-    return sodium.get().secretbox_open_detached(addr, addr, mac, nbytes, nonce, key) == 0
+def open_chunk(
+    addr: int, nbytes: int, key: bytes, nonce: bytes, mac: bytes, source: int | None = None
+) -> bool:
+    """Verify and decrypt ``nbytes`` at ``addr`` in place; False (memory untouched) on a bad MAC.
+
+    With ``source``, the ciphertext is read from that address instead and only the
+    plaintext is written at ``addr`` (the two must not overlap): one pass instead of
+    a copy followed by in-place decryption.
+    """
+    src = addr if source is None else source
+    return sodium.get().secretbox_open_detached(addr, src, mac, nbytes, nonce, key) == 0
 
 
 def _spans(nbytes: int, chunk_size: int) -> list[tuple[int, int]]:
@@ -167,6 +176,7 @@ def _run(
     macs: Sequence[bytes] | None,
     executor: Executor | None,
     label: str | None,
+    source: int | None = None,
 ) -> list[bytes]:
     key = _check_key(key)
     initial_nonce = _check_nonce(initial_nonce)
@@ -188,7 +198,8 @@ def _run(
         nonce = nonce_at(initial_nonce, i)
         if macs is None:
             return seal_chunk(addr + start, end - start, key, nonce)
-        return open_chunk(addr + start, end - start, key, nonce, macs[i])
+        src = None if source is None else source + start
+        return open_chunk(addr + start, end - start, key, nonce, macs[i], src)
 
     if executor is None or len(spans) <= 1:
         results = [one(i) for i in range(len(spans))]
@@ -388,6 +399,91 @@ def seal_tensor(
     return CryptInfo((key_derivation, cipher) if key_derivation is not None else (cipher,))
 
 
+def seal_copy(
+    src: Buffer,
+    dst: Buffer,
+    key: bytes,
+    *,
+    hasher: Any = None,
+    key_derivation: KeyDerivation | None = None,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    nonce: bytes | None = None,
+    executor: Executor | None = None,
+) -> CryptInfo:
+    """Copy ``src`` into ``dst`` and encrypt the copy, one chunk at a time.
+
+    Each chunk is copied, handed to ``hasher.update`` as plaintext while it is still
+    in cache, then sealed: one pass over the source instead of three (hash, copy,
+    encrypt), and the caller's memory is never modified. With ``executor``, sealing
+    chunk ``i`` overlaps copying and hashing chunk ``i + 1`` on the calling thread.
+
+    Args:
+        src: the plaintext (any contiguous buffer; only read).
+        dst: writable contiguous memory of at least ``len(src)`` bytes; receives the
+            ciphertext in its first ``len(src)`` bytes.
+        key: the 32-byte key.
+        hasher: a ``hashlib`` object fed the plaintext in order, or ``None``.
+        key_derivation, chunk_size, nonce: as for ``seal_tensor``.
+        executor: pool to seal chunks on; ``None`` seals on the calling thread.
+
+    Returns:
+        The tensor's CryptInfo, as ``seal_tensor`` returns it.
+
+    Raises:
+        ConfigError: bad key, nonce or chunk size, or ``dst`` too small.
+    """
+    key = _check_key(key)
+    check_chunk_size(chunk_size)
+    source = memoryview(src).cast("B") if not isinstance(src, memoryview) else src
+    if source.ndim != 1 or source.format != "B":
+        source = source.cast("B")
+    nbytes = source.nbytes
+    target = memoryview(dst)
+    if target.format != "B" or target.ndim != 1:
+        target = target.cast("B")
+    if target.nbytes < nbytes:
+        raise ConfigError(f"seal_copy: the destination holds {target.nbytes} bytes, need {nbytes}")
+    if nbytes == 0:
+        if hasher is not None:
+            hasher.update(b"")
+        return EMPTY
+    addr, _, keep = _region(target[:nbytes])
+    start = random_nonce() if nonce is None else _check_nonce(nonce)
+    spans = _spans(nbytes, chunk_size)
+    macs: list[bytes] = []
+    futures: list[Future[bytes]] = []
+    try:
+        for i, (lo, hi) in enumerate(spans):
+            target[lo:hi] = source[lo:hi]
+            if hasher is not None:
+                hasher.update(target[lo:hi])  # the copy: in cache, and it is plaintext still
+            if executor is None:
+                macs.append(seal_chunk(addr + lo, hi - lo, key, nonce_at(start, i)))
+            else:
+                futures.append(
+                    executor.submit(seal_chunk, addr + lo, hi - lo, key, nonce_at(start, i))
+                )
+    finally:
+        # Every submitted chunk finishes before we return or raise: none may write into
+        # memory the caller could reuse while handling an exception.
+        first_exc: BaseException | None = None
+        for f in futures:
+            try:
+                macs.append(f.result())
+            except BaseException as exc:  # re-raised below once all chunks stopped
+                first_exc = first_exc or exc
+        if first_exc is not None:
+            raise first_exc
+    del keep
+    cipher = XSalsa20Parallel(chunk_size=chunk_size, nonce=start, macs=tuple(macs))
+    return CryptInfo((key_derivation, cipher) if key_derivation is not None else (cipher,))
+
+
+def _is_parallel(info: CryptInfo) -> bool:
+    cipher = info.cipher()
+    return isinstance(cipher, XSalsa20Parallel) and len(cipher.macs) > 1
+
+
 def open_tensor(
     buf: Buffer,
     info: CryptInfo,
@@ -395,6 +491,7 @@ def open_tensor(
     *,
     label: str | None = None,
     executor: Executor | None = None,
+    source: Buffer | None = None,
 ) -> None:
     """Verify and decrypt one tensor's data in place, whatever form its CryptInfo takes.
 
@@ -402,12 +499,29 @@ def open_tensor(
     whole buffer with one nonce; an empty CryptInfo (or zero MACs) is accepted
     only for zero-length data.
 
+    Args:
+        source: read the ciphertext from here (as many bytes as ``buf``, not
+            overlapping it, left unmodified) and write only the plaintext into
+            ``buf``; e.g. straight from a mapping of the file into fresh tensors.
+
     Raises:
         DecryptionError: a MAC does not match (wrong key or tampered data).
         FormatError: the CryptInfo does not fit the data (no method, wrong MAC count).
     """
     addr, nbytes, keep = _region(buf)
     what = label or "the tensor"
+    source_addr: int | None = None
+    source_keep: object = None
+    if source is not None:
+        source_addr, source_bytes, source_keep = _region(source)
+        if source_bytes != nbytes:
+            raise ConfigError(
+                f"{what}: the ciphertext source holds {source_bytes} bytes, the destination {nbytes}"
+            )
+        if not (info.is_empty or _is_parallel(info)):
+            # Rare single-MAC forms: copy, then decrypt in place as usual.
+            ctypes.memmove(addr, source_addr, nbytes)
+            source_addr = None
     if info.is_empty:
         if nbytes:
             raise FormatError(
@@ -421,7 +535,16 @@ def open_tensor(
     elif len(cipher.macs) == 1:
         decrypt_sequential((addr, nbytes), key, cipher.nonce, cipher.macs[0], label=label)
     elif nbytes:
-        _run((addr, nbytes), key, cipher.nonce, cipher.chunk_size, cipher.macs, executor, label)
+        _run(
+            (addr, nbytes),
+            key,
+            cipher.nonce,
+            cipher.chunk_size,
+            cipher.macs,
+            executor,
+            label,
+            source_addr,
+        )
     elif cipher.macs:
         raise FormatError(f"{what} has no data but {len(cipher.macs)} MACs; the header is corrupt")
-    del keep
+    del keep, source_keep

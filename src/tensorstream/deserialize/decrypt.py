@@ -47,8 +47,9 @@ class RecordDecryptor:
         data: memoryview,
         *,
         key_verified: bool = False,
+        source: memoryview | None = None,
     ) -> None:
-        """Verify and decrypt one tensor in place.
+        """Verify and decrypt one tensor in place (or out of ``source`` into ``data``).
 
         ``key_verified`` (the manifest confirmed the key) turns a MAC failure into a
         clear "the data was modified" rather than "wrong key, or modified".
@@ -58,7 +59,12 @@ class RecordDecryptor:
         key = self._params.key_for(info.key_derivation, label=label)
         try:
             self._crypto.open_tensor(
-                data, info, key, label=label, executor=self._crypto.shared_pool()
+                data,
+                info,
+                key,
+                label=label,
+                executor=self._crypto.shared_pool(),
+                source=source,
             )
         except DecryptionError as exc:
             if not key_verified:

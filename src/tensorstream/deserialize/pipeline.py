@@ -59,11 +59,23 @@ class RecordPipeline:
         header: bytes | memoryview | None,
         data: memoryview,
         verify: bool,
+        *,
+        ciphertext: memoryview | None = None,
     ) -> None:
-        """Header check, decryption in place, then the hash check of the plaintext."""
+        """Header check, decryption in place, then the hash check of the plaintext.
+
+        With ``ciphertext`` (encrypted files only), ``data`` is empty memory that
+        receives the plaintext decrypted out of ``ciphertext`` in one pass.
+        """
         parsed = self.check(record, header)
         if parsed is not None and self.decryptor is not None and record.data_length:
-            self.decryptor.decrypt(record, parsed, data, key_verified=self.manifest is not None)
+            self.decryptor.decrypt(
+                record,
+                parsed,
+                data,
+                key_verified=self.manifest is not None,
+                source=ciphertext,
+            )
         if verify and parsed is not None:
             verify_hashes(record, parsed, header, data, self.where)  # type: ignore[arg-type]
             self.mark_verified(record)

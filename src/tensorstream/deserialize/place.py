@@ -71,6 +71,18 @@ class FileMap:
         start = offset - offset % _PAGE
         self._map.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
 
+    def release(self, offset: int, length: int) -> None:
+        """Unmap the whole pages inside a range already copied out (MADV_DONTNEED).
+
+        The file stays in the page cache; only this process stops counting those
+        pages as resident, so a load that decrypts out of the mapping peaks at the
+        size of the model, not twice it. A page touched again simply maps back in.
+        """
+        start = -(-offset // _PAGE) * _PAGE
+        end = (offset + length) // _PAGE * _PAGE
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
 
 class StagedCopier:
     """Per-reader double-buffered staging for device targets.

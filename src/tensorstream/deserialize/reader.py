@@ -6,7 +6,10 @@ their final memory, then check / decrypt / verify each tensor as it completes.
 * CPU target, local file: tensors are views of a private map of the page cache (no
   fresh memory, no copy); readers ask for read-ahead of their ranges. Tensors whose
   data is not element-aligned in the file are read into fresh memory instead.
-* CPU target, remote or encrypted: readers stream ranges into fresh tensors.
+* CPU target, local encrypted file: each tensor is decrypted straight out of the
+  same mapping into a fresh tensor, one pass (no read-then-decrypt).
+* CPU target, remote: readers stream ranges into fresh tensors (and decrypt them in
+  place when encrypted).
 * Device targets: readers stage through double-buffered pinned memory and copy
   asynchronously on their own streams.
 """
@@ -266,8 +269,11 @@ class TensorDeserializer(Mapping[Any, Any]):
         return 1
 
     def _map_file(self) -> FileMap | None:
-        """The page-cache mapping for CPU loads of local, unencrypted files."""
-        if not self._use_mmap or not self._source.local_path or self._decryptor is not None:
+        """The page-cache mapping for CPU loads of local files.
+
+        Plain tensors become views of it; encrypted ones are decrypted out of it.
+        """
+        if not self._use_mmap or not self._source.local_path:
             return None
         if self._file_map is None:
             self._file_map = FileMap(self._source)

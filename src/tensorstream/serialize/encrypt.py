@@ -1,7 +1,9 @@
 """Per-record encryption for the serializer: staged copy, chunked secretbox, CryptInfo.
 
-Tensor data is hashed as plaintext first (the format's rule), then copied into a
-staging buffer and encrypted there, so the caller's tensors are never modified.
+The format hashes the plaintext and stores the ciphertext. Each record is done in
+one pass: a 2 MiB chunk is copied into a staging buffer, hashed there while it is
+in cache, and sealed in place, so the caller's tensors are never modified and the
+source is read once (hash, copy and encrypt as three passes measured ~25% slower).
 Staging buffers are reused once their record is written: fresh memory is slow to
 touch on these machines (a new buffer per tensor made encrypted saves 1.5x slower
 than encrypting in place the way tensorizer does).
@@ -9,6 +11,7 @@ than encrypting in place the way tensorizer does).
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Any
 
@@ -18,6 +21,10 @@ __all__ = ["RecordEncryptor"]
 
 #: Staging memory kept for reuse between records.
 _MAX_FREE_BYTES = 512 << 20
+#: Records with more chunks than this seal them on the shared crypto pool while the
+#: calling thread copies and hashes ahead; smaller ones stay on one thread, where the
+#: writer's own pool already runs several records at once.
+_INLINE_CHUNKS = 8
 
 
 class RecordEncryptor:
@@ -51,30 +58,44 @@ class RecordEncryptor:
     def empty_crypt_info(self) -> bytes:
         return self._crypto.pack_crypt_info(self._crypto.EMPTY)[8:]
 
-    def encrypt(self, plaintext: memoryview) -> tuple[memoryview, bytes]:
-        """Encrypt a copy of ``plaintext``; return the ciphertext and CryptInfo body."""
+    def hash_and_encrypt(
+        self, prefix: bytes, plaintext: memoryview
+    ) -> tuple[bytes, memoryview, bytes]:
+        """SHA-256 of ``prefix + plaintext``, and an encrypted copy of ``plaintext``.
+
+        Returns:
+            ``(sha256 digest, ciphertext view, CryptInfo body)``; the view lives in a
+            staging buffer to hand back with ``release`` once it is written.
+        """
+        hasher = hashlib.sha256(prefix)
         if len(plaintext) == 0:
-            return plaintext, self.empty_crypt_info()
+            return hasher.digest(), plaintext, self.empty_crypt_info()
         buf = self._staging(len(plaintext))
         view = memoryview(buf)[: len(plaintext)]
-        view[:] = plaintext
+        chunks = -(-len(plaintext) // self._crypto.DEFAULT_CHUNK_SIZE)
+        info = self._crypto.seal_copy(
+            plaintext,
+            view,
+            self._params.key,
+            hasher=hasher,
+            key_derivation=self._params.key_derivation,
+            nonce=self._unique_nonce(),
+            executor=self._crypto.shared_pool() if chunks > _INLINE_CHUNKS else None,
+        )
+        body = self._crypto.pack_crypt_info(info)[8:]
+        if len(body) != self.crypt_info_len(len(plaintext)):
+            raise SerializationError("internal error: CryptInfo size differs from its plan")
+        return hasher.digest(), view, body
+
+    def _unique_nonce(self) -> bytes:
+        # 24 random bytes never repeat in practice; the set makes "never" a guarantee
+        # within one file, where a repeat under one key would leak plaintext.
         with self._lock:
             while True:
                 nonce = self._crypto.random_nonce()
                 if nonce not in self._nonces:
                     self._nonces.add(nonce)
-                    break
-        info = self._crypto.seal_tensor(
-            view,
-            self._params.key,
-            key_derivation=self._params.key_derivation,
-            nonce=nonce,
-            executor=self._crypto.shared_pool(),
-        )
-        body = self._crypto.pack_crypt_info(info)[8:]
-        if len(body) != self.crypt_info_len(len(plaintext)):
-            raise SerializationError("internal error: CryptInfo size differs from its plan")
-        return view, body
+                    return nonce
 
     def _staging(self, size: int) -> bytearray:
         with self._lock:

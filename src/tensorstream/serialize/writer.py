@@ -451,6 +451,9 @@ class TensorSerializer:
         )
         struct.pack_into("<Q", zero_header, 0, layout.header_size)
         zero_header = bytes(zero_header)
+        encryptor = self._encryptor
+        if encryptor is not None and record.encrypted and layout.data_length:
+            return self._pool.submit(self._encode_encrypted, record, data, zero_header, header_with)
         crc_f: Future[int] | None = None
         sha_f: Future[bytes]
         if HASH_CRC32 in hash_types and len(data) >= _SPLIT_HASH_BYTES:
@@ -461,7 +464,6 @@ class TensorSerializer:
             data,
             HASH_CRC32 in hash_types and crc_f is None,
         )
-        encryptor = self._encryptor
 
         def assemble() -> tuple[bytes, memoryview]:
             sha, crc_inline = sha_f.result()
@@ -470,25 +472,33 @@ class TensorSerializer:
                 crc = crc_f.result() if crc_f is not None else crc_inline
                 hashes.append((HASH_CRC32, struct.pack("<I", crc)))
             hashes.append((HASH_SHA256, sha))
-            payload = data
-            crypt_info = None
-            if encryptor is not None:
-                if record.encrypted:
-                    payload, crypt_info = encryptor.encrypt(data)
-                else:
-                    crypt_info = encryptor.empty_crypt_info()
-            header = header_with(hashes, crypt_info)
-            if len(header) != layout.header_size:
-                raise SerializationError(
-                    f"internal error: header of {pending.display_name!r} is {len(header)} "
-                    f"bytes, planned {layout.header_size}"
-                )
-            return bytes(header), payload
+            # Meta and zero-element tensors of an encrypted file carry an empty CryptInfo.
+            crypt_info = encryptor.empty_crypt_info() if encryptor is not None else None
+            return _checked_header(record, header_with(hashes, crypt_info)), data
 
-        if encryptor is None:
-            # Cheap: assembling waits on the hash futures, so run it on the caller.
-            return _Deferred(assemble)
-        return self._pool.submit(assemble)
+        # Cheap: assembling waits on the hash futures, so run it on the caller.
+        return _Deferred(assemble)
+
+    def _encode_encrypted(
+        self, record: _Record, data: memoryview, zero_header: bytes, header_with: Any
+    ) -> tuple[bytes, memoryview]:
+        """Hash, copy and encrypt one record in a single task on the pool.
+
+        One task, not a hash future plus an encrypt step waiting on it: a pool thread
+        blocked on another task's future idles a core (measured: 1 of 2 cores busy).
+        """
+        assert self._encryptor is not None
+        sha, payload, crypt_info = self._encryptor.hash_and_encrypt(zero_header, data)
+        return _checked_header(record, header_with([(HASH_SHA256, sha)], crypt_info)), payload
+
+
+def _checked_header(record: _Record, header: bytearray) -> bytes:
+    if len(header) != record.layout.header_size:
+        raise SerializationError(
+            f"internal error: header of {record.pending.display_name!r} is {len(header)} "
+            f"bytes, planned {record.layout.header_size}"
+        )
+    return bytes(header)
 
 
 class _Deferred(Future):  # type: ignore[type-arg]
