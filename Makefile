@@ -6,7 +6,7 @@ PIP     := $(VPY) -m pip
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml scripts/system-deps.sh | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-fast lint bench venv system-deps clean
+.PHONY: demo test test-fast lint bench bench-vllm-peer venv venv-vllm system-deps clean
 
 $(STAMP):
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -38,6 +38,14 @@ lint: venv
 
 bench: venv system-deps
 	$(VPY) -m bench.run
+
+# Optional peer for the serving benchmark, in its own venv; never needed by tests or CI.
+venv-vllm:
+	PY=$(PY) bash scripts/vllm-peer.sh
+
+bench-vllm-peer: venv system-deps
+	test -x .venv-vllm/bin/python || $(MAKE) venv-vllm
+	$(VPY) -m bench.serve_bench --peer vllm
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

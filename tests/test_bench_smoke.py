@@ -147,3 +147,22 @@ def test_http_and_s3_sources_agree_with_local(results: tuple[dict, Path]) -> Non
             continue  # tensorstream's remote loader may not be built yet
         assert r["status"] == "ok", r
         assert r["checksum"] in local, r
+
+
+def test_serve_bench_vllm_peer_needs_its_venv_and_says_how(tmp_path: Path) -> None:
+    from bench.serve_bench import error_line
+    from bench.serve_bench import main as serve_main
+
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    with pytest.raises(SystemExit) as exc:
+        serve_main(["--peer", "vllm", "--vllm-python", str(missing)])
+    assert str(missing) in str(exc.value) and "scripts/vllm-peer.sh" in str(exc.value)
+    log = tmp_path / "server.log"
+    log.write_text(
+        "WARNING 12-02 [x.py:1] errors like `OSError: [Errno 24] Too many open files`\n"
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n"
+        "  Value error, To load a model from object storage (S3/GCS/Azure), 'load_format' must"
+        " be 'runai_streamer', but got 'tensorizer'.\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    assert error_line(log).startswith("Value error, To load a model from object storage")
