@@ -11,6 +11,7 @@ leaves nothing that looks valid.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import struct
 import threading
@@ -51,7 +52,9 @@ from tensorstream.serialize.tensors import (
 )
 from tensorstream.sources.base import Sink, StorageOptions
 from tensorstream.sources.fileobj import FileObjectSink
+from tensorstream.sources.local import LocalSink
 from tensorstream.sources.registry import open_sink
+from tensorstream.sources.uri import parse_uri
 from tensorstream.utils.checksum import crc32
 from tensorstream.utils.progress import ByteProgress
 
@@ -60,6 +63,10 @@ __all__ = ["TensorSerializer"]
 #: Copies made for writing (GPU -> host, non-contiguous, encryption) stay under this.
 _INFLIGHT_COPY_BYTES = 256 << 20
 _SPLIT_HASH_BYTES = 1 << 20
+#: ``direct_io=None`` writes this much or more with O_DIRECT (see ``StorageOptions``).
+_DIRECT_IO_MIN_BYTES = 512 << 20
+
+log = logging.getLogger("tensorstream.serialize")
 
 
 @dataclass
@@ -112,6 +119,7 @@ class TensorSerializer:
             raise ConfigError(f"align must be a power of two >= 1, got {align}")
         if limit_cpu_concurrency is not None and limit_cpu_concurrency < 1:
             raise ConfigError(f"limit_cpu_concurrency must be >= 1, got {limit_cpu_concurrency}")
+        self._owns_sink = isinstance(target, (str, os.PathLike))
         if isinstance(target, Sink):
             self._sink = target
         elif isinstance(target, (str, os.PathLike)):
@@ -276,7 +284,8 @@ class TensorSerializer:
             described.append((p, dtype_code(p.tensor, p.display_name), shape, long_shape))
         versioned = self._versioned or any(d[3] for d in described)
         needed = _metadata_bytes(self._entries, described, versioned)
-        self._ensure_prefix(needed)
+        planned = sum(0 if p.tensor.is_meta else p.tensor.nbytes for p, *_ in described)
+        self._ensure_prefix(needed, planned)
         assert self._metadata_size is not None
         if needed > self._metadata_size:
             raise MetadataOverflowError(
@@ -333,10 +342,11 @@ class TensorSerializer:
         self._position = position
         return records
 
-    def _ensure_prefix(self, needed: int) -> None:
+    def _ensure_prefix(self, needed: int, planned_bytes: int = 0) -> None:
         """Reserve the header + index space at the first write (stock size or more)."""
         if self._metadata_size is not None:
             return
+        self._choose_direct_io(planned_bytes)
         self._metadata_size = max(STOCK_METADATA_SIZE, needed)
         prefix = INDEX_OFFSET + self._metadata_size
         window = self._sink.patch_window
@@ -347,6 +357,28 @@ class TensorSerializer:
             )
         self._sink.write(bytes(prefix))
         self._position = prefix
+
+    def _choose_direct_io(self, planned_bytes: int) -> None:
+        """Swap a fresh local sink for an ``O_DIRECT`` one when ``direct_io`` asks for it."""
+        wanted = self._storage.direct_io if self._storage is not None else None
+        sink = self._sink
+        if (
+            not self._owns_sink
+            or type(sink) is not LocalSink
+            or sink.position
+            or wanted is False
+            or (wanted is None and planned_bytes < _DIRECT_IO_MIN_BYTES)
+        ):
+            return
+        from tensorstream.sources.direct import DirectSink
+
+        try:
+            direct = DirectSink(parse_uri(sink.display_uri))
+        except ConfigError as exc:  # e.g. tmpfs: fall back to the page cache
+            (log.warning if wanted else log.debug)("%s; writing through the page cache", exc)
+            return
+        sink.abort()
+        self._sink = direct
 
     def _prefix_bytes(self) -> bytes:
         flags = 0
@@ -365,7 +397,11 @@ class TensorSerializer:
 
     def _stream(self, records: list[_Record]) -> None:
         """Hash (and encrypt) records on the pool; write them in file order."""
+        # Random-access sinks take records from several threads at their offsets;
+        # the others (S3, O_DIRECT) get them appended in file order.
         pwrite = getattr(self._sink, "pwrite", None)
+        if not getattr(self._sink, "random_access", True):
+            pwrite = None
         progress = ByteProgress(
             sum(r.layout.data_length for r in records), "serialize", enabled=self._progress
         )

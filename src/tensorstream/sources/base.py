@@ -50,6 +50,11 @@ class StorageOptions:
     max_retries: int = 8
     #: Upper bound, in seconds, on time spent retrying one range.
     retry_deadline: float = 120.0
+    #: Local writes: ``True`` bypasses the page cache (``O_DIRECT``), ``False`` never does,
+    #: ``None`` (default) does when a serialization writes 512 MiB or more at once. Direct
+    #: writes save the CPU the kernel spends filling cache pages and do not push other
+    #: files out of the cache; a load right after then reads from disk.
+    direct_io: bool | None = None
     #: Extra HTTP headers sent with every request (e.g. authorization for a private server).
     headers: tuple[tuple[str, str], ...] = field(default=(), repr=False)
 
