@@ -104,6 +104,48 @@ def test_requests_join_between_steps(llm):
     assert not core.has_unfinished_requests()
 
 
+def test_cohorts_arriving_at_different_steps_share_one_batch(llm):
+    """Three requests joining at steps 0, 2 and 3 decode as one batch once running, their
+    tokens equal to each one run alone; when the longest finishes, the padding it forced
+    on the others is trimmed away."""
+    prompts = [PROMPT + " there was a dragon who lived in a cave by the sea", "Hi", "The weather"]
+    lengths = [6, 12, 12]  # the long prompt finishes first, at step 6
+    alone = [
+        llm.generate(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    core = llm.engine
+    ids = [llm.tokenizer(p)["input_ids"] for p in prompts]
+
+    def add(i: int) -> str:
+        return core.add_request(
+            ids[i], SamplingParams(temperature=0, max_tokens=lengths[i], ignore_eos=True)
+        )
+
+    requests = [add(0)]
+    core.step()
+    core.step()
+    requests.append(add(1))
+    core.step()
+    requests.append(add(2))
+    core.step()  # merges the first two cohorts, then prefills the third
+    core.step()
+    assert len(core._cohorts) == 1  # noqa: SLF001 - the batching is the point
+    assert len(core._cohorts[0].sequences) == 3  # noqa: SLF001
+    finished = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if requests[0] in finished and len(finished) < 3:
+            mask = core._cohorts[0].mask  # noqa: SLF001
+            assert bool(mask[:, 0].any())  # no column is padding in every row
+    for request, want in zip(requests, alone, strict=True):
+        assert finished[request].outputs[0].token_ids == want
+
+
 def test_abort(llm):
     core = llm.engine
     ids = llm.tokenizer(PROMPT)["input_ids"]

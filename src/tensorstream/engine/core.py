@@ -9,9 +9,9 @@ their cohort's batch at once, so a long request never keeps short ones' rows
 alive. ``LLM.generate`` drives ``step()`` until nothing is left; a server can
 interleave ``add_request`` and ``step()`` for continuous batching.
 
-Cohorts are not merged: each running cohort costs one forward per step.
-Merging left-padded caches would save forwards when many small cohorts run,
-at the price of depending on cache internals.
+Before each step, running cohorts are merged into one batch where their caches
+allow it (``engine/cohorts.py``: left-padded, within a padding bound), so many
+clients arriving at different steps still cost one forward pass per step.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tensorstream.engine.cohorts import can_merge, merge_caches, trim_left_padding
 from tensorstream.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from tensorstream.engine.sampler import apply_penalties, pick_token, top_logprobs
 from tensorstream.engine.sampling import SamplingParams
@@ -230,6 +231,7 @@ class EngineCore:
             its last one). Finished requests are forgotten afterwards.
         """
         touched: dict[str, _Request] = {}
+        self._merge_cohorts()
         # Cohorts running before this step decode; new arrivals get their first token
         # from the prefill, so each sequence advances exactly one token per step.
         for cohort in list(self._cohorts):
@@ -244,6 +246,22 @@ class EngineCore:
                 if request is not None:
                     self._release(request)
         return outputs
+
+    def _merge_cohorts(self) -> None:
+        """Fold running cohorts into as few batches as the padding bound allows."""
+        if len(self._cohorts) < 2:
+            return
+        merged: list[_Cohort] = []
+        for cohort in sorted(self._cohorts, key=lambda c: -c.mask.shape[1]):
+            for group in merged:
+                caches, masks = [group.cache, cohort.cache], [group.mask, cohort.mask]
+                if can_merge(caches, masks):
+                    group.cache, group.mask = merge_caches(caches, masks)
+                    group.sequences = group.sequences + cohort.sequences
+                    break
+            else:
+                merged.append(cohort)
+        self._cohorts = merged
 
     def _release(self, request: _Request) -> None:
         if request.adapter is not None and self.lora_manager is not None:
@@ -339,7 +357,7 @@ class EngineCore:
             return
         index = torch.tensor(keep, device=self.device)
         cohort.cache.batch_select_indices(index)
-        cohort.mask = cohort.mask[index]
+        cohort.mask = trim_left_padding(cohort.cache, cohort.mask[index])
         cohort.sequences = [cohort.sequences[row] for row in keep]
 
     def _decode_one(self, token: int) -> str:
