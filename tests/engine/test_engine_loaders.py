@@ -85,3 +85,53 @@ def test_tensorizer_options_parse():
         TensorizerLoadOptions.from_extra({"bogus": 1})
     with pytest.raises(ConfigError, match="num_readers"):
         TensorizerLoadOptions.from_extra({"num_readers": 0})
+
+
+# ---------------------------------------------------------------- remote safetensors
+
+
+def _greedy(model: str, **kwargs) -> list[int]:
+    params = SamplingParams(temperature=0, max_tokens=6)
+    return (
+        LLM(model, device="cpu", **kwargs).generate("hello world", params)[0].outputs[0].token_ids
+    )
+
+
+def test_safetensors_stream_from_s3(tiny_model, s3_env, s3_bucket):
+    source = tiny_model("llama")
+    client = s3_env.client()
+    for path in source.iterdir():
+        client.upload_file(str(path), s3_bucket, f"hf/llama/{path.name}")
+    uri = f"s3://{s3_bucket}/hf/llama"
+    assert detect_format(resolve_model(uri)) == "safetensors"  # no model.tensors there
+    assert _greedy(uri) == _greedy(str(source))
+
+
+def test_sharded_safetensors_stream_over_http(tmp_path, tiny_model, http_server):
+    import transformers
+
+    source = tiny_model("qwen2")
+    served = http_server.root / "sharded-qwen2"
+    transformers.AutoModelForCausalLM.from_pretrained(source).save_pretrained(
+        served, max_shard_size="1MB"
+    )
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(source / name, served / name)
+    assert (served / "model.safetensors.index.json").is_file()
+    url = http_server.url("sharded-qwen2")
+    assert detect_format(resolve_model(url)) == "safetensors"
+    assert _greedy(url, load_format="safetensors") == _greedy(str(source))
+
+
+def test_remote_directory_without_weights(tiny_model, s3_env, s3_bucket):
+    from tensorstream.errors import SourceNotFoundError
+
+    client = s3_env.client()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # all but weights
+        client.upload_file(str(tiny_model("llama") / name), s3_bucket, f"empty/{name}")
+    uri = f"s3://{s3_bucket}/empty"
+    assert detect_format(resolve_model(uri)) == "tensorizer"  # the default, which then says why
+    with pytest.raises(
+        SourceNotFoundError, match="no model.safetensors.index.json or model.safetensors"
+    ):
+        LLM(uri, device="cpu", load_format="safetensors")

@@ -61,8 +61,7 @@ def detect_format(location: ModelLocation, extra: Mapping[str, Any] | None = Non
         return "tensorizer"
     weights = location.weights_uri
     if "://" in weights and not weights.startswith("file://"):
-        # Remote directories cannot be listed cheaply; tensorizer is the streaming format.
-        return "tensorizer"
+        return _detect_remote(weights)
     directory = Path(weights.removeprefix("file://"))
     if (directory / "model.tensors").is_file():
         return "tensorizer"
@@ -73,3 +72,28 @@ def detect_format(location: ModelLocation, extra: Mapping[str, Any] | None = Non
         f"no weights found in {directory}: expected model.tensors (tensorizer) or *.safetensors; "
         f"found {found[:12]}; serialize the model there or pass load_format explicitly"
     )
+
+
+def _detect_remote(weights: str) -> str:
+    """``model.tensors`` if it is there, else safetensors if an entry file is, else tensorizer.
+
+    Remote directories cannot be listed over HTTP, so the names are tried (one small
+    request each). Anything but a clear "not found" keeps the tensorizer default, whose
+    loader then reports the problem with its own credentials and options.
+    """
+    from tensorstream.engine.loaders.safetensors import remote_entry
+    from tensorstream.errors import SourceNotFoundError, TensorStreamError
+    from tensorstream.sources.registry import open_source
+    from tensorstream.sources.uri import join_uri
+
+    try:
+        with open_source(join_uri(weights, "model.tensors")):
+            return "tensorizer"
+    except SourceNotFoundError:
+        pass
+    except TensorStreamError:
+        return "tensorizer"
+    try:
+        return "safetensors" if remote_entry(weights) else "tensorizer"
+    except TensorStreamError:
+        return "tensorizer"

@@ -1,8 +1,13 @@
 """The ``safetensors`` load format: ``model.safetensors`` or an indexed set of shards.
 
-Tensors are read one at a time with the ``safetensors`` library straight onto
-the target device and converted to the target dtype right away, so peak memory
-stays at the model's final size plus one tensor.
+Local directories: tensors are read one at a time with the ``safetensors`` library
+straight onto the target device and converted to the target dtype right away, so
+peak memory stays at the model's final size plus one tensor.
+
+``s3://`` and ``http(s)://`` directories: ``model.safetensors.index.json`` (or, without
+one, ``model.safetensors``) is streamed with tensorstream's own parallel ranged readers
+(``TensorDeserializer``), the same path as the tensorizer format; vLLM needs a
+separate streamer package for this.
 
 On CPU, ``safetensors`` hands out tensors backed by a private mmap of the
 file: no copy, page-cache pages shared. Its pages would be read lazily during
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -74,8 +80,30 @@ def _fault_in(tensor: torch.Tensor) -> None:
         tensor.reshape(-1).view(torch.uint8)[::_PAGE].sum()
 
 
+def remote_entry(weights: str, storage: Any = None) -> str | None:
+    """The URI to stream a remote safetensors checkpoint from, or None if there is none.
+
+    Remote directories cannot be listed over HTTP, so the two names Hugging Face uses
+    are tried: the shard index first, then the single file.
+
+    Raises:
+        SourceError: the storage refused the request (credentials, network).
+    """
+    from tensorstream.sources.registry import open_source
+    from tensorstream.sources.uri import join_uri
+
+    for name in (_INDEX, "model.safetensors"):
+        uri = join_uri(weights, name)
+        try:
+            with open_source(uri, storage):
+                return uri
+        except SourceNotFoundError:
+            continue
+    return None
+
+
 class SafetensorsLoader(WeightLoader):
-    """Reads ``*.safetensors`` from a local directory."""
+    """Reads ``*.safetensors`` from a local directory, ``s3://`` or ``http(s)://``."""
 
     name = "safetensors"
     extra_keys = frozenset()
@@ -84,17 +112,14 @@ class SafetensorsLoader(WeightLoader):
         """Read all shards onto ``request.device`` in ``request.dtype``.
 
         Raises:
-            ConfigError: extra options given, a remote location, or safetensors missing.
+            ConfigError: extra options given, or safetensors missing.
             SourceNotFoundError: no shards.
             FormatError: a shard is not a valid safetensors file.
         """
         check_extra_keys(self.name, request.extra, self.extra_keys)
         weights = request.location.weights_uri
         if "://" in weights and not weights.startswith("file://"):
-            raise ConfigError(
-                f"the safetensors loader reads local directories only, not {weights}; "
-                "use load_format='tensorizer' for remote models"
-            )
+            return _load_remote(request, weights)
         try:
             from safetensors import SafetensorError, safe_open
         except ImportError as exc:
@@ -119,3 +144,23 @@ class SafetensorsLoader(WeightLoader):
             except SafetensorError as exc:
                 raise FormatError(f"{path} is not a valid safetensors file: {exc}") from exc
         return LoadedWeights(tensors, uri=str(directory), nbytes=nbytes)
+
+
+def _load_remote(request: LoadRequest, weights: str) -> LoadedWeights:
+    """Stream a remote checkpoint with ``TensorDeserializer`` (credentials from the environment)."""
+    from tensorstream import TensorDeserializer
+
+    entry = remote_entry(weights)
+    if entry is None:
+        raise SourceNotFoundError(
+            f"no {_INDEX} or model.safetensors at {weights}; upload the checkpoint's "
+            "safetensors files there, or serialize it and use load_format='tensorizer'"
+        )
+    deserializer = TensorDeserializer(entry, device=request.device, dtype=request.dtype)
+    try:
+        tensors = dict(deserializer.items())
+    except BaseException:
+        deserializer.close()
+        raise
+    nbytes = sum(t.nbytes for t in tensors.values())
+    return LoadedWeights(tensors, uri=entry, nbytes=nbytes, closer=deserializer)
