@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import ctypes
-import os
 import hashlib
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
