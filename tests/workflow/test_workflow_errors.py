@@ -173,3 +173,8 @@ def test_serialize_deserialize_commands(tiny_llama, tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     assert main(["deserialize", str(dest), "--num-readers", "2", "--verify-hash"]) == 0
     assert "GB/s" in capsys.readouterr().out
+    direct = tmp_path / "direct.tensors"  # O_DIRECT writes the same bytes
+    assert (
+        main(["serialize", str(tiny_llama), str(direct), "--align", "1", "--direct-io", "on"]) == 0
+    )
+    assert direct.read_bytes() == dest.read_bytes()

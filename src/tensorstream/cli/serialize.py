@@ -28,6 +28,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--align", type=int, default=64, help="data alignment (1 = tensorizer bytes)"
     )
     parser.add_argument("--limit-cpu-concurrency", type=int, help="hashing/encryption threads")
+    parser.add_argument(
+        "--direct-io",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="local writes bypass the page cache (O_DIRECT): auto = for 512 MiB or more",
+    )
     add_key_options(parser, for_writing=True)
 
 
@@ -74,6 +80,11 @@ def run(args: argparse.Namespace) -> int:
         kwargs["limit_cpu_concurrency"] = args.limit_cpu_concurrency
     if getattr(args, "no_manifest", False):
         kwargs["manifest"] = False
+    direct = getattr(args, "direct_io", "auto")
+    if direct != "auto":
+        from tensorstream.sources.base import StorageOptions
+
+        kwargs["storage"] = StorageOptions(direct_io=direct == "on")
     try:
         with TensorSerializer(args.dest, encryption=encryption, **kwargs) as serializer:
             serializer.write_state_dict(tensors)
