@@ -1,6 +1,6 @@
 """Quick encrypted save/load benchmark: tensorstream vs tensorizer 2.12.1, local, fresh processes.
 
-``python -m bench.cases_crypto [--size-mib 256] [--repeats 2] [--s3]`` builds an fp32 state dict,
+``python -m bench.cases_crypto [--size-mib 256] [--repeats 3] [--s3] [--plot PNG]`` builds an fp32 state dict,
 then runs each measurement in its own process (warm page cache), interleaved, and reports
 medians: encrypted save timed until the file is durable (ours fsyncs in ``close()``;
 tensorizer's file is fsynced after its ``close()``), encrypted load to CPU (ours with manifest check, tensorizer), and the
@@ -248,16 +248,62 @@ def _child(name: str, d: str, size: int) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+_PAIRS = [  # (label, ours, tensorizer)
+    ("save, local", "ours-save", "tensorizer-save"),
+    ("load, local", "ours-load", "tensorizer-load"),
+    ("save, S3", "ours-s3-save", "tensorizer-s3-save"),
+    ("load, S3", "ours-s3-load", "tensorizer-s3-load"),
+]
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Bar chart of median GB/s, ours beside tensorizer, min-max whiskers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by = {r["case"]: r for r in rows}
+    pairs = [p for p in _PAIRS if p[1] in by and p[2] in by]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    width = 0.38
+    for offset, who, color in ((-width / 2, 1, "#2b6cb0"), (width / 2, 2, "#a0aec0")):
+        values = [by[p[who]]["GB/s"] for p in pairs]
+        lo = [by[p[who]]["GB/s"] - by[p[who]]["GB/s_range"][0] for p in pairs]
+        hi = [by[p[who]]["GB/s_range"][1] - by[p[who]]["GB/s"] for p in pairs]
+        label = "tensorstream" if who == 1 else "tensorizer 2.12.1"
+        xs = [i + offset for i in range(len(pairs))]
+        ax.bar(xs, values, width, yerr=[lo, hi], capsize=3, color=color, label=label)
+    if "decrypt-all-cores" in by:
+        ax.axhline(by["decrypt-all-cores"]["GB/s"], ls="--", c="#c53030", lw=1,
+                   label="decryption, both cores (reference)")  # fmt: skip
+    ax.set_xticks(range(len(pairs)), [p[0] for p in pairs])
+    ax.set_ylabel("GB/s (median)")
+    mib = rows[0]["mib"] if rows else 0
+    ax.set_title(f"Encrypted save (durable) and load, {mib} MiB fp32")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.cases_crypto")
     ap.add_argument("--size-mib", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--s3", action="store_true", help="also save/load through SeaweedFS")
+    ap.add_argument("--plot", default=None, help="write a PNG bar chart of the results here")
+    ap.add_argument("--from-lines", default=None,
+                    help="re-plot (with --plot) from a saved output of this command; runs nothing")  # fmt: skip
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dir", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(WORKERS[args.worker](args.dir, args.size_mib))
+        return 0
+    if args.from_lines:
+        with open(args.from_lines) as f:
+            saved = [json.loads(line) for line in f if line.startswith("{")]
+        plot(saved, args.plot or "bench-crypto.png")
         return 0
     size = max(1, args.size_mib // _TENSOR_MIB) * _TENSOR_MIB
     order = list(_ORDER)
@@ -278,11 +324,15 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
         median = {k: statistics.median(v) for k, v in runs.items()}
         gbs = {k: (size << 20) / v / 1e9 for k, v in median.items()}
-        for k in order:
-            print(json.dumps({"case": k, "mib": size, "median_seconds": round(median[k], 4),
-                              "GB/s": round(gbs[k], 3),
-                              "GB/s_range": [round((size << 20) / max(runs[k]) / 1e9, 3),
-                                             round((size << 20) / min(runs[k]) / 1e9, 3)]}))  # fmt: skip
+        rows = [{"case": k, "mib": size, "median_seconds": round(median[k], 4),
+                 "GB/s": round(gbs[k], 3),
+                 "GB/s_range": [round((size << 20) / max(runs[k]) / 1e9, 3),
+                                round((size << 20) / min(runs[k]) / 1e9, 3)]}
+                for k in order]  # fmt: skip
+        for row in rows:
+            print(json.dumps(row))
+        if args.plot:
+            plot(rows, args.plot)
         print(f"cpus={os.cpu_count()}  load ours/tensorizer = "
               f"{gbs['ours-load'] / gbs['tensorizer-load']:.2f}x, ours/decrypt-reference = "
               f"{gbs['ours-load'] / gbs['decrypt-all-cores']:.0%}, save ours/tensorizer = "

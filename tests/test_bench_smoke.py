@@ -166,3 +166,23 @@ def test_serve_bench_vllm_peer_needs_its_venv_and_says_how(tmp_path: Path) -> No
         "RuntimeError: Engine core initialization failed. See root cause above.\n"
     )
     assert error_line(log).startswith("Value error, To load a model from object storage")
+
+
+def test_encrypted_bench_runs_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``bench.cases_crypto`` on 16 MiB: every case reports a positive median, the plot is
+    written, and a saved output re-plots without running anything."""
+    from bench import cases_crypto
+
+    png = tmp_path / "crypto.png"
+    assert cases_crypto.main(["--size-mib", "16", "--repeats", "1", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert {r["case"] for r in rows} == set(cases_crypto._ORDER)  # noqa: SLF001
+    assert all(r["mib"] == 16 and r["GB/s"] > 0 for r in rows)
+    assert "save ours/tensorizer" in out
+    assert png.stat().st_size > 10_000
+    saved = tmp_path / "out.txt"
+    saved.write_text(out)
+    replot = tmp_path / "again.png"
+    assert cases_crypto.main(["--from-lines", str(saved), "--plot", str(replot)]) == 0
+    assert replot.stat().st_size > 10_000
