@@ -180,6 +180,11 @@ class S3Server:
             "-admin.ui=false",
             "-master.telemetry=false",
             "-volume.preStopSeconds=0",
+            # Each bucket is a collection with volumes of its own. Left to itself, mini
+            # sizes its volume count by the free disk (1 GiB each: 49 slots with 50 GB
+            # free), and past that every PutObject to a new bucket fails with
+            # InternalError. Volumes are sparse files, so the slots cost no disk.
+            "-volume.max=1000",
             f"-filer.localSocket={workdir / 'filer.sock'}",
             f"-s3.localSocket={workdir / 's3.sock'}",
         ]
