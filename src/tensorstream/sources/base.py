@@ -40,6 +40,10 @@ class StorageOptions:
     s3_addressing: str = "auto"
     #: Bytes per part of an S3 multipart upload (>= 5 MiB); host memory is a few parts.
     s3_part_size: int = 16 << 20
+    #: Sign uploaded bytes with SHA-256 in the request signature. Off by default: each
+    #: part carries a CRC32 checksum S3 verifies (boto3 does the same over HTTPS); turn
+    #: it on to have plain-http uploads' bodies covered by the signature as well.
+    s3_sign_payload: bool = False
     #: CA bundle file or directory for HTTPS; None means the system store.
     ca_bundle: str | None = None
     #: Set False to skip TLS verification (explicit opt-in; never the default).
