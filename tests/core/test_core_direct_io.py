@@ -150,3 +150,17 @@ def test_a_filesystem_refusing_o_direct_falls_back_to_the_page_cache(
     with TensorDeserializer(tmp_path / "m.tensors") as d:
         assert torch.equal(d["odd"], _state_dict()["odd"])
     assert os.listdir(tmp_path) == ["m.tensors"]
+
+
+@pytest.mark.usefixtures("small_blocks")
+def test_direct_sink_counts_bytes_not_items(tmp_path: Path) -> None:
+    from tensorstream.sources.uri import parse_uri
+
+    words = torch.arange(50_000, dtype=torch.int32).numpy()  # a memoryview of 4-byte items
+    sink = DirectSink(parse_uri(str(tmp_path / "raw.bin")))
+    with sink:
+        sink.write(b"head")
+        sink.write(memoryview(words))
+        assert sink.position == 4 + words.nbytes
+        sink.patch(0, b"HEAD")
+    assert (tmp_path / "raw.bin").read_bytes() == b"HEAD" + words.tobytes()

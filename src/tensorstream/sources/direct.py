@@ -89,6 +89,7 @@ class DirectSink(LocalSink):
     def write(self, data: memoryview | bytes) -> None:
         self._raise_if_failed()
         view = memoryview(data).cast("B")
+        nbytes = len(view)
         if self._first is None:
             self._first_cap = _round_up(max(_MIN_FIRST, len(view)), _ALIGN)
             self._first = bytearray()
@@ -108,7 +109,7 @@ class DirectSink(LocalSink):
             view = view[take:]
             if self._fill == _BLOCK:
                 self._submit(_BLOCK)
-        self._pos += len(data)
+        self._pos += nbytes
 
     def patch(self, offset: int, data: bytes) -> None:
         end = offset + len(data)
