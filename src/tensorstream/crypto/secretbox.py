@@ -155,6 +155,24 @@ def open_chunk(
     return sodium.get().secretbox_open_detached(addr, src, mac, nbytes, nonce, key) == 0
 
 
+def _gather(futures: Sequence[Future[Any]]) -> list[Any]:
+    """Every future's result, in order; the first exception only once all have finished.
+
+    A chunk still running must never write into memory the caller may already be
+    freeing while it handles our exception.
+    """
+    results = []
+    first_exc: BaseException | None = None
+    for f in futures:
+        try:
+            results.append(f.result())
+        except BaseException as exc:  # re-raised below, after all workers stopped
+            first_exc = first_exc or exc
+    if first_exc is not None:
+        raise first_exc
+    return results
+
+
 def _spans(nbytes: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, nbytes)) for s in range(0, nbytes, chunk_size)]
 
@@ -204,19 +222,7 @@ def _run(
     if executor is None or len(spans) <= 1:
         results = [one(i) for i in range(len(spans))]
     else:
-        futures: list[Future[bytes | bool]] = [executor.submit(one, i) for i in range(len(spans))]
-        # Wait for every chunk before raising: a worker must never write into memory the
-        # caller may already be freeing while handling our exception.
-        results = []
-        first_exc: BaseException | None = None
-        for f in futures:
-            try:
-                results.append(f.result())
-            except BaseException as exc:  # re-raised below, after all workers stopped
-                results.append(False)
-                first_exc = first_exc or exc
-        if first_exc is not None:
-            raise first_exc
+        results = _gather([executor.submit(one, i) for i in range(len(spans))])
     del keep
     if macs is None:
         return [r for r in results if isinstance(r, bytes)]
@@ -395,7 +401,13 @@ def seal_tensor(
     start = random_nonce() if nonce is None else _check_nonce(nonce)
     macs = _run((addr, nbytes), key, start, chunk_size, None, executor, None)
     del keep
-    cipher = XSalsa20Parallel(chunk_size=chunk_size, nonce=start, macs=tuple(macs))
+    return _parallel_info(start, chunk_size, macs, key_derivation)
+
+
+def _parallel_info(
+    nonce: bytes, chunk_size: int, macs: Sequence[bytes], key_derivation: KeyDerivation | None
+) -> CryptInfo:
+    cipher = XSalsa20Parallel(chunk_size=chunk_size, nonce=nonce, macs=tuple(macs))
     return CryptInfo((key_derivation, cipher) if key_derivation is not None else (cipher,))
 
 
@@ -464,19 +476,9 @@ def seal_copy(
                     executor.submit(seal_chunk, addr + lo, hi - lo, key, nonce_at(start, i))
                 )
     finally:
-        # Every submitted chunk finishes before we return or raise: none may write into
-        # memory the caller could reuse while handling an exception.
-        first_exc: BaseException | None = None
-        for f in futures:
-            try:
-                macs.append(f.result())
-            except BaseException as exc:  # re-raised below once all chunks stopped
-                first_exc = first_exc or exc
-        if first_exc is not None:
-            raise first_exc
+        macs.extend(_gather(futures))
     del keep
-    cipher = XSalsa20Parallel(chunk_size=chunk_size, nonce=start, macs=tuple(macs))
-    return CryptInfo((key_derivation, cipher) if key_derivation is not None else (cipher,))
+    return _parallel_info(start, chunk_size, macs, key_derivation)
 
 
 def _is_parallel(info: CryptInfo) -> bool:
