@@ -1,0 +1,118 @@
+"""The native engine's KV cache: one preallocated slab per layer, one row per running sequence.
+
+Layout per layer: keys and values of shape ``[rows, kv_heads, length, head_dim]``.
+A sequence owns one row for its whole life; its cached tokens are
+``[:, :, :n]`` of that row. The engine keeps running sequences in rows
+``0..n-1`` (compacting when one finishes), so a decode step reads the batch's
+keys as a *view* ``[:n, :, :longest]`` — no gather, no copy — and a boolean
+mask hides each row's unused tail. Rows and length grow by doubling, so memory
+follows the actual load instead of ``max_num_seqs * max_model_len``.
+
+Why a slab and not pages: on CPU a paged layout must gather each step's keys
+into a contiguous tensor for SDPA, which copies the whole live cache every
+step; the slab view copies nothing (``bench/cold_start.py --kv-layout`` measures both).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["KVCache"]
+
+
+class KVCache:
+    """Per-layer key/value slabs that the native models read and write in place.
+
+    Args:
+        layers: decoder layers.
+        kv_heads: key/value heads per layer.
+        head_dim: dimensions per head.
+        dtype: cache dtype (the model's).
+        device: where the slabs live.
+        max_length: most tokens one row ever holds (the engine's ``max_model_len``).
+        rows: initial rows; length: initial tokens per row (both grow on demand).
+    """
+
+    def __init__(
+        self,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_length: int,
+        rows: int = 4,
+        length: int = 256,
+    ) -> None:
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.max_length = max_length
+        self.rows = 0
+        self.length = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self._arange = torch.arange(0, device=device)
+        self.ensure(rows, min(length, max_length))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the slabs."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def ensure(self, rows: int, length: int) -> None:
+        """Grow (by doubling) until there are ``rows`` rows of ``length`` tokens."""
+        if rows <= self.rows and length <= self.length:
+            return
+        new_rows = max(self.rows, 1)
+        while new_rows < rows:
+            new_rows *= 2
+        new_length = max(self.length, 1)
+        while new_length < length:
+            new_length *= 2
+        new_length = min(max(new_length, length), max(self.max_length, length))
+        shape = (new_rows, self.kv_heads, new_length, self.head_dim)
+        for slabs in (self.keys, self.values):
+            for layer in range(self.layers):
+                fresh = torch.empty(shape, dtype=self.dtype, device=self.device)
+                if slabs:
+                    old = slabs[layer]
+                    fresh[: old.shape[0], :, : old.shape[2]] = old
+                    slabs[layer] = fresh
+                else:
+                    slabs.append(fresh)
+        self.rows, self.length = new_rows, new_length
+        self._arange = torch.arange(new_rows, device=self.device)
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy row ``src``'s first ``length`` tokens into row ``dst`` (compaction, n > 1)."""
+        for slabs in (self.keys, self.values):
+            for slab in slabs:
+                slab[dst, :, :length] = slab[src, :, :length]
+
+    def update(
+        self, layer: int, key: torch.Tensor, value: torch.Tensor, batch: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this step's keys/values; return the keys/values the queries attend over.
+
+        Args:
+            layer: decoder layer index.
+            key, value: [batch, kv_heads, tokens, head_dim] for the new tokens.
+            batch: an :class:`~tensorstream.engine.models.llama.AttentionBatch`.
+        """
+        keys, values = self.keys[layer], self.values[layer]
+        if batch.start is not None:  # one sequence, a chunk of consecutive positions
+            row, start = batch.rows, batch.start
+            end = start + key.shape[2]
+            keys[row, :, start:end] = key[0]
+            values[row, :, start:end] = value[0]
+            return keys[row : row + 1, :, : batch.key_len], values[
+                row : row + 1, :, : batch.key_len
+            ]
+        rows: slice = batch.rows  # decode: one new token per row, each at its own position
+        index = self._arange[rows]
+        keys[index, :, batch.positions] = key[:, :, 0]
+        values[index, :, batch.positions] = value[:, :, 0]
+        return keys[rows, :, : batch.key_len], values[rows, :, : batch.key_len]

@@ -1,0 +1,247 @@
+"""Plain-torch Llama-family causal LM (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3).
+
+Module and parameter names are the Hugging Face ones (``model.layers.0.self_attn.q_proj.weight``,
+``lm_head.weight``...), so every checkpoint written for transformers' classes fills
+this model unchanged. The forward pass mirrors transformers' op order (RMSNorm in
+float32, cos/sin in float32 then cast, SDPA with grouped-query attention), which
+keeps logits equal to the reference's; only the KV cache differs: it is the
+engine's own (``engine/kvcache.py``), addressed through an :class:`AttentionBatch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tensorstream.engine.models.config import NativeConfig
+from tensorstream.engine.models.rope import RotaryEmbedding, apply_rotary
+
+__all__ = ["AttentionBatch", "NativeCausalLM"]
+
+
+@dataclass
+class AttentionBatch:
+    """Where one forward pass writes its keys/values and which cached keys each query sees.
+
+    Attributes:
+        cache: the engine's KV cache (``None``: attend within the given tokens only).
+        rows: cache rows of the batch rows — a ``slice`` (contiguous rows, read as views)
+            or one int (a single sequence, e.g. a prefill chunk).
+        start: first position written (prefill chunk) — or ``None`` for decode, where
+            ``positions`` holds each row's own write position.
+        positions: [batch] write positions (decode).
+        key_len: cached keys to attend over after the write.
+        mask: boolean [batch, 1, tokens, key_len] (True = attend), or None for plain causal.
+        adapters: per-row LoRA state (``engine/models/lora.py``), or None.
+    """
+
+    cache: Any
+    rows: slice | int
+    start: int | None
+    positions: torch.Tensor | None
+    key_len: int
+    mask: torch.Tensor | None
+    adapters: Any = None
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and scaled in the input's dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+def _linear(x: torch.Tensor, layer: nn.Linear, lora: Any, name: str) -> torch.Tensor:
+    out = layer(x)
+    if lora is not None:
+        out = lora.apply(name, x, out)
+    return out
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the engine's KV cache."""
+
+    def __init__(self, config: NativeConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = d = config.head_dim
+        self.groups = self.heads // self.kv_heads
+        qkv_bias = config.attention_bias or config.qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.heads * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.heads * d, config.hidden_size, bias=config.attention_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch | None,
+    ) -> torch.Tensor:
+        rows, tokens, _ = x.shape
+        lora = batch.adapters if batch is not None else None
+        prefix = f"model.layers.{self.layer}.self_attn."
+        q = _linear(x, self.q_proj, lora, prefix + "q_proj").view(rows, tokens, -1, self.head_dim)
+        k = _linear(x, self.k_proj, lora, prefix + "k_proj").view(rows, tokens, -1, self.head_dim)
+        v = _linear(x, self.v_proj, lora, prefix + "v_proj").view(rows, tokens, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rotary(q, k, cos, sin)
+        mask = None
+        if batch is not None and batch.cache is not None:
+            k, v = batch.cache.update(self.layer, k, v, batch)
+            mask = batch.mask
+        gqa = self.groups > 1
+        if mask is None or tokens > 1:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None and tokens > 1, enable_gqa=gqa
+            )
+        else:
+            # Decode with a length mask: fold each kv head's query group into the query
+            # axis, so SDPA needs neither repeated keys nor its grouped path.
+            packed = q.reshape(rows, self.kv_heads, self.groups, self.head_dim)
+            out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask)
+            out = out.reshape(rows, self.heads, 1, self.head_dim)
+        out = out.transpose(1, 2).reshape(rows, tokens, -1)
+        return _linear(out, self.o_proj, lora, prefix + "o_proj")
+
+
+class MLP(nn.Module):
+    """SiLU-gated feed-forward block."""
+
+    def __init__(self, config: NativeConfig, layer: int) -> None:
+        super().__init__()
+        bias = config.mlp_bias
+        self.prefix = f"model.layers.{layer}.mlp."
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+        p = self.prefix
+        gate = F.silu(_linear(x, self.gate_proj, lora, p + "gate_proj"))
+        return _linear(
+            gate * _linear(x, self.up_proj, lora, p + "up_proj"),
+            self.down_proj,
+            lora,
+            p + "down_proj",
+        )
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP blocks with residuals."""
+
+    def __init__(self, config: NativeConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer)
+        self.mlp = MLP(config, layer)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch | None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        lora = batch.adapters if batch is not None else None
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
+
+
+class Backbone(nn.Module):
+    """Embeddings, decoder layers and the final norm (``model.*`` in checkpoints)."""
+
+    def __init__(self, config: NativeConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            config.rope, config.head_dim, config.max_position_embeddings
+        )
+
+
+class NativeCausalLM(nn.Module):
+    """The Llama-family causal LM.
+
+    Args:
+        config: the parsed config.json.
+
+    Build it under ``torch.device("meta")`` and fill it with
+    :func:`tensorstream.engine.models.build_native`; calling it like a transformers
+    model (``model(input_ids).logits``) runs a plain causal forward without cache.
+    """
+
+    base_model_prefix = "model"
+
+    def __init__(self, config: NativeConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def tie_weights(self) -> None:
+        """Share the input embedding with the LM head when the config ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch | None
+    ) -> torch.Tensor:
+        """Final-norm hidden states [batch, tokens, hidden] for ``input_ids`` at ``positions``."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, batch)
+        return self.model.norm(x)
+
+    def logits(self, hidden: torch.Tensor, adapters: Any = None) -> torch.Tensor:
+        """LM-head logits of ``hidden`` (contiguous, so CPU bf16 matmul takes its fast path)."""
+        out = self.lm_head(hidden.contiguous())
+        if adapters is not None:
+            out = adapters.apply("lm_head", hidden, out)
+        return out
+
+    def forward(self, input_ids: torch.Tensor, **_: Any) -> SimpleNamespace:
+        """Causal forward over whole sequences (no cache); returns ``.logits`` like transformers."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(
+            input_ids
+        )
+        return SimpleNamespace(logits=self.logits(self.hidden_states(input_ids, positions, None)))
