@@ -7,15 +7,17 @@ a truncated file is refused up front, naming the tensor and offset that is missi
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from tensorstream.errors import FormatError, TruncatedFileError
+from tensorstream.errors import ConfigError, FormatError, TruncatedFileError
 from tensorstream.formats.dtypes import decode_dtype
+from tensorstream.formats.safetensors import MAX_HEADER, parse_header
 from tensorstream.formats.tensorizer import (
     INDEX_OFFSET,
     MAGIC,
@@ -27,33 +29,15 @@ from tensorstream.formats.tensorizer import (
 )
 from tensorstream.sources.base import Source
 
-__all__ = ["TensorIndex", "TensorRecord", "read_index"]
+__all__ = ["TensorIndex", "TensorRecord", "check_allocation", "meta_limit", "read_index"]
 
 TENSORIZER, SAFETENSORS = "tensorizer", "safetensors"
 
-_SAFETENSORS_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "C64": torch.complex64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-for _code, _name in (
-    ("U16", "uint16"),
-    ("U32", "uint32"),
-    ("U64", "uint64"),
-    ("F8_E8M0", "float8_e8m0fnu"),
-):
-    if isinstance(getattr(torch, _name, None), torch.dtype):
-        _SAFETENSORS_DTYPES[_code] = getattr(torch, _name)
+#: torch cannot index tensors whose element count times item size reaches 2**63
+_MAX_TENSOR_SPAN = 1 << 63
+#: default cap on bytes made from nothing (meta tensors are zero-filled, not stored)
+DEFAULT_META_LIMIT = 256 << 20
+META_LIMIT_ENV = "TENSORSTREAM_MAX_META_BYTES"
 
 
 @dataclass(frozen=True)
@@ -69,6 +53,8 @@ class TensorRecord:
     data_offset: int
     data_length: int
     long_shape: bool = False
+    #: the dtype as the file spells it (``<f4``, ``F32``), compared with tensor headers
+    dtype_code: str = ""
 
     @property
     def name(self) -> str:
@@ -87,7 +73,11 @@ class TensorRecord:
 
     @property
     def is_meta(self) -> bool:
-        """Stored without data (tensorizer v4 meta tensors): loads as zeros."""
+        """Stored without data (tensorizer v4 meta tensors): loads as zeros.
+
+        The index alone does not decide this: every load path checks the tensor's
+        header, which must agree (a data length of 0 in the index only is refused).
+        """
         return self.data_length == 0 and math.prod(self.shape) > 0
 
 
@@ -138,6 +128,84 @@ def read_index(source: Source) -> TensorIndex:
     )
 
 
+def _check_shape(where: str, key: object, shape: Sequence[int], itemsize: int) -> None:
+    """Refuse shapes torch cannot lay out (stride or storage size past 2**63)."""
+    span = math.prod(max(d, 1) for d in shape) * max(itemsize, 1)
+    if span >= _MAX_TENSOR_SPAN:
+        raise FormatError(
+            f"{where}: tensor {key!r} has field 'shape' {list(shape)}, too large for any "
+            "tensor (its strides overflow 64 bits); the file is corrupt"
+        )
+
+
+def _check_names(where: str, records: Sequence[TensorRecord]) -> None:
+    """Refuse duplicate names, and structured paths that are both a tensor and a branch.
+
+    Either way one tensor would silently shadow another on load.
+    """
+    paths: dict[tuple[object, ...], TensorRecord] = {}
+    for r in records:
+        path = r.key if isinstance(r.key, tuple) else (r.key,)
+        if path in paths:
+            raise FormatError(
+                f"{where}: tensor {r.name!r} appears twice (headers at offsets "
+                f"{paths[path].header_offset} and {r.header_offset}); the file is corrupt or "
+                "was spliced, and one copy would silently win"
+            )
+        paths[path] = r
+    for path, r in paths.items():
+        for n in range(1, len(path)):
+            if path[:n] in paths:
+                raise FormatError(
+                    f"{where}: tensor {r.name!r} lies under {paths[path[:n]].name!r}, which is "
+                    "itself a tensor; the file's state-dict structure is corrupt"
+                )
+
+
+def meta_limit(file_size: int) -> int:
+    """Bytes of zeros a file may make a load allocate for its meta tensors.
+
+    The larger of the file's size and 256 MiB, or ``$TENSORSTREAM_MAX_META_BYTES``.
+    """
+    raw = os.environ.get(META_LIMIT_ENV)
+    if raw is None:
+        return max(file_size, DEFAULT_META_LIMIT)
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"${META_LIMIT_ENV} must be a byte count (an int >= 0), got {raw!r}")
+    return value
+
+
+def check_allocation(index: TensorIndex, records: Sequence[TensorRecord], where: str) -> None:
+    """Refuse a load whose meta tensors would allocate more than ``meta_limit`` bytes.
+
+    Meta tensors are stored without data and loaded as zeros (as tensorizer does), so
+    their shapes alone decide the memory a load takes: a 4-byte edit to a small file
+    could otherwise ask for terabytes.
+
+    Raises:
+        FormatError: naming the largest meta tensor, the total, the limit and how to
+            raise it.
+    """
+    meta = [r for r in records if r.is_meta]
+    if not meta:
+        return
+    total = sum(math.prod(r.shape) * r.dtype.itemsize for r in meta)
+    limit = meta_limit(index.file_size)
+    if total > limit:
+        big = max(meta, key=lambda r: math.prod(r.shape) * r.dtype.itemsize)
+        raise FormatError(
+            f"{where}: its meta tensors (stored without data, loaded as zeros) would allocate "
+            f"{total} bytes, more than the limit of {limit} bytes (the larger of the file "
+            f"size and {DEFAULT_META_LIMIT} bytes); the largest is {big.name!r} of shape "
+            f"{list(big.shape)}. If the file is trusted, raise the limit with "
+            f"{META_LIMIT_ENV}=<bytes>"
+        )
+
+
 def _read_tensorizer(source: Source, head: bytes, where: str, size: int) -> TensorIndex:
     header = unpack_file_header(head, where)
     meta_end = INDEX_OFFSET + header.metadata_len
@@ -163,6 +231,7 @@ def _read_tensorizer(source: Source, head: bytes, where: str, size: int) -> Tens
                 f"{where}: tensor {key!r} has inconsistent offsets (header at "
                 f"{e.header_offset}, data at {e.data_offset}); the index is corrupt"
             )
+        _check_shape(where, key, e.shape, dtype.itemsize)
         expected = math.prod(e.shape) * dtype.itemsize
         if e.data_length not in (expected, 0):
             raise FormatError(
@@ -186,6 +255,7 @@ def _read_tensorizer(source: Source, head: bytes, where: str, size: int) -> Tens
                 e.data_offset,
                 e.data_length,
                 e.long_shape,
+                e.dtype,
             )
         )
     if records and size < position + 8:
@@ -193,6 +263,7 @@ def _read_tensorizer(source: Source, head: bytes, where: str, size: int) -> Tens
             f"{where}: the file ends at {size}, before the end-of-file marker after the last "
             f"tensor {records[-1].key!r} (offset {position}); the file is truncated"
         )
+    _check_names(where, records)
     return TensorIndex(TENSORIZER, size, tuple(records), header=header)
 
 
@@ -203,38 +274,27 @@ def _read_safetensors(source: Source, head: bytes, where: str, size: int) -> Ten
             f"{where}: the safetensors header needs {header_len} bytes but the file ends at "
             f"{size}; the file is truncated"
         )
-    try:
-        header = json.loads(source.read(8, header_len))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{where}: malformed safetensors header: {exc}") from exc
+    if header_len > MAX_HEADER:
+        raise FormatError(
+            f"{where}: the safetensors header is {header_len} bytes, above the "
+            f"{MAX_HEADER}-byte limit of the safetensors format; the file is corrupt"
+        )
     base = 8 + header_len
-    metadata = header.pop("__metadata__", None)
+    entries, metadata = parse_header(source.read(8, header_len), size - base, where)
     records = []
-    for name, info in header.items():
-        try:
-            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except KeyError as exc:
-            raise FormatError(f"{where}: tensor {name!r}: unsupported or missing {exc}") from None
-        if end - begin != math.prod(shape) * dtype.itemsize or begin > end:
-            raise FormatError(f"{where}: tensor {name!r} has inconsistent data offsets")
-        if base + end > size:
-            raise TruncatedFileError(
-                f"{where}: tensor {name!r} needs bytes up to offset {base + end}, but the "
-                f"file ends at {size}; the file is truncated"
-            )
+    for e in entries:
+        _check_shape(where, e.name, e.shape, e.dtype.itemsize)
         records.append(
             TensorRecord(
-                name,
-                name.encode(),
+                e.name,
+                e.name.encode("utf-8", errors="surrogatepass"),
                 TENSOR_TYPE_STATE_DICT,
-                dtype,
-                shape,
-                base + begin,
-                base + begin,
-                end - begin,
+                e.dtype,
+                e.shape,
+                base + e.begin,
+                base + e.begin,
+                e.end - e.begin,
+                dtype_code=e.dtype_code,
             )
         )
-    records.sort(key=lambda r: r.data_offset)
     return TensorIndex(SAFETENSORS, size, tuple(records), metadata=metadata)

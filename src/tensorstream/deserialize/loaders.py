@@ -6,7 +6,6 @@ Both take their inputs explicitly and report each finished tensor to a
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -240,7 +239,10 @@ def load_staged(
     if errors:
         raise errors[0]
     for r, dest, header in zip(records, dests, headers, strict=True):
-        if r.is_meta or not on_host:
+        if not r.data_length:
+            # meta and empty tensors stream no data: check (and verify) their header here
+            pipeline.process(r, header, memoryview(b""), verify)
+        elif not on_host:
             pipeline.check(r, header if r.header_size else None)
         pipeline.finish(r, dest)
 
@@ -258,7 +260,7 @@ def _stage_segment(
     progress: Callable[[int], None],
 ) -> None:
     parsed = pipeline.check(record, header) if on_host and seg.dest_offset == 0 else None
-    hasher = hashlib.sha256(parsed.hashable(header)) if parsed is not None and verify else None
+    check = pipeline.hash_check(record, parsed, header) if parsed is not None and verify else None
     done = 0
     while done < seg.length:
         i, buf = copier.next_buffer()
@@ -267,10 +269,10 @@ def _stage_segment(
         stream.readinto_exact(piece)
         if parsed is not None and pipeline.decryptor is not None:
             pipeline.decryptor.decrypt_piece(record, parsed, piece, seg.dest_offset + done)
-        if hasher is not None:
-            hasher.update(piece)
+        if check is not None:
+            check.update(piece)
         copier.copy_out(i, n, dest, seg.dest_offset + done)
         done += n
         progress(n)
-    if hasher is not None and parsed is not None:
-        pipeline.check_digest(record, parsed, hasher.digest())
+    if check is not None:
+        pipeline.finish_check(record, check)

@@ -1,5 +1,9 @@
 """What happens to each tensor once its bytes are in: header check against the index
-(and the manifest), decryption in place, hash verification, dtype cast, storage."""
+(and the manifest), decryption in place, hash verification, dtype cast, storage.
+
+It also keeps the books every load path is held to: which tensors had their header
+checked and which were verified, so the deserializer can catch a path that skipped one.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Any
 import torch
 
 from tensorstream.deserialize.index import TensorIndex, TensorRecord
-from tensorstream.deserialize.verify import check_header, verify_digest, verify_hashes
+from tensorstream.deserialize.verify import HashCheck, check_header, verify_hashes
 from tensorstream.formats.tensorizer import TensorHeader
 
 __all__ = ["RecordPipeline"]
@@ -39,6 +43,8 @@ class RecordPipeline:
         self.dtype = dtype
         self.tensors: dict[Any, torch.nn.Parameter] = {}
         self.verified: set[Any] = set()
+        #: header offsets of the records whose header passed ``check``
+        self.checked: set[int] = set()
         self._lock = threading.Lock()
         self._positions = {r.header_offset: i for i, r in enumerate(index.records)}
 
@@ -51,6 +57,8 @@ class RecordPipeline:
             self.manifest.check_header(
                 self._positions[record.header_offset], record, header, parsed
             )
+        with self._lock:
+            self.checked.add(record.header_offset)
         return parsed
 
     def process(
@@ -77,12 +85,20 @@ class RecordPipeline:
                 source=ciphertext,
             )
         if verify and parsed is not None:
-            verify_hashes(record, parsed, header, data, self.where)  # type: ignore[arg-type]
+            # meta tensors hash as no bytes (their zeros are not stored), like tensorizer
+            payload = data if record.data_length else memoryview(b"")
+            verify_hashes(record, parsed, header, payload, self.where)  # type: ignore[arg-type]
             self.mark_verified(record)
 
-    def check_digest(self, record: TensorRecord, parsed: TensorHeader, digest: bytes) -> None:
-        """Compare a SHA-256 computed while streaming through staging buffers."""
-        verify_digest(record, parsed, digest, self.where)
+    def hash_check(
+        self, record: TensorRecord, parsed: TensorHeader, header: bytes | bytearray | memoryview
+    ) -> HashCheck:
+        """Start verifying a tensor whose bytes stream past in pieces (staged loads)."""
+        return HashCheck(record, parsed, header, self.where)
+
+    def finish_check(self, record: TensorRecord, check: HashCheck) -> None:
+        """Compare the streamed hashes with the stored ones; marks the tensor verified."""
+        check.finish()
         self.mark_verified(record)
 
     def mark_verified(self, record: TensorRecord) -> None:

@@ -25,7 +25,12 @@ from typing import IO, Any
 
 import torch
 
-from tensorstream.deserialize.index import TensorIndex, TensorRecord, read_index
+from tensorstream.deserialize.index import (
+    TensorIndex,
+    TensorRecord,
+    check_allocation,
+    read_index,
+)
 from tensorstream.deserialize.loaders import load_cpu, load_staged
 from tensorstream.deserialize.pipeline import RecordPipeline
 from tensorstream.deserialize.place import FileMap
@@ -148,6 +153,7 @@ class TensorDeserializer(Mapping[Any, Any]):
                 source, manifest, require_manifest, storage, encryption
             )
             self._records = self._select(filter_func)
+            check_allocation(self._index, self._records, self._source.display_uri)
             self._by_key = {r.key: r for r in self._records}
             self._pipeline = RecordPipeline(
                 self._index,
@@ -309,12 +315,43 @@ class TensorDeserializer(Mapping[Any, Any]):
                     progress.update,
                     _STAGING_BYTES,
                 )
+            self._check_missed(records)
+        except BaseException:
+            for r in records:  # a lazy retry must not return a tensor that failed its checks
+                self._tensors.pop(r.key, None)
+            raise
         finally:
             progress.close()
         self.load_seconds += time.perf_counter() - started
         self.total_bytes_read += nbytes
 
+    def _check_missed(self, records: list[TensorRecord]) -> None:
+        """Hold every load path to the same rule: each header checked against the index,
+        and with ``verify_hash`` each tensor verified; a path that skipped one (the CPU
+        path skips meta tensors, which have no data to read) gets it done here."""
+        if not self._index.has_headers:
+            return
+        pipeline = self._pipeline
+        missed = [
+            r
+            for r in records
+            if r.header_offset not in pipeline.checked
+            or (self._verify and r.key not in pipeline.verified)
+        ]
+        if missed:
+            self._verify_late(missed, verify=self._verify)
+
     # ------------------------------------------------------------ Mapping
+
+    def _lookup(self, key: Any) -> Any:
+        """The record key for ``key``: as given, or a top-level int/str wrapped in a
+        one-part path (``write_state_dict([t0, t1])`` stores paths ``(0,)``, ``(1,)``
+        and tensorizer answers ``d[0]``; ``d["0"]`` stays a KeyError there too)."""
+        if key in self._by_key:
+            return key
+        if not isinstance(key, tuple) and (key,) in self._by_key:
+            return (key,)
+        return None
 
     def _get(self, key: Any) -> torch.nn.Parameter:
         with self._lock:
@@ -324,8 +361,9 @@ class TensorDeserializer(Mapping[Any, Any]):
             return self._tensors[key]
 
     def __getitem__(self, key: Any) -> Any:
-        if key in self._by_key:
-            return self._get(key)
+        found = self._lookup(key)
+        if found is not None:
+            return self._get(found)
         subtree = self._subtree((key,) if not isinstance(key, tuple) else key)
         if subtree is None:
             raise KeyError(key)
@@ -457,9 +495,10 @@ class TensorDeserializer(Mapping[Any, Any]):
             self._verify_late(wanted)
         return place_into_module(module, wanted, self._tensors, aliases)
 
-    def _verify_late(self, records: list[TensorRecord]) -> None:
-        """Verify hashes of tensors loaded without verification, by re-reading them."""
-        todo = [r for r in records if r.key not in self._verified and not r.is_meta]
+    def _verify_late(self, records: list[TensorRecord], verify: bool = True) -> None:
+        """Check headers and (with ``verify``) hashes of tensors loaded without, by
+        re-reading them; meta and empty tensors re-read only their header."""
+        todo = [r for r in records if r.key not in self._verified]
         if not todo or not self._index.has_headers:
             return
         for r in todo:
@@ -467,7 +506,7 @@ class TensorDeserializer(Mapping[Any, Any]):
             self._source.read_into(r.header_offset, memoryview(buf))
             header = memoryview(buf)[: r.header_size]
             data = memoryview(buf)[r.header_size :]
-            self._pipeline.process(r, bytes(header), data, verify=True)
+            self._pipeline.process(r, bytes(header), data, verify=verify)
 
     def close(self) -> None:
         """Release the file or connections. Loaded tensors stay valid."""

@@ -318,6 +318,8 @@ class TensorHeader:
     hash_spans: tuple[tuple[int, int], ...]
     #: (start, end) of the CryptInfo block incl. its u64 length, or None
     crypt_span: tuple[int, int] | None
+    #: every (type, value) hash entry in file order, duplicates and unknown types kept
+    hash_entries: tuple[tuple[int, bytes], ...] = ()
 
     def hashable(self, header: bytes | bytearray | memoryview) -> bytes:
         """The header bytes the hashes cover: hash values zeroed, CryptInfo cut out."""
@@ -417,23 +419,35 @@ def unpack_tensor_header(
     try:
         (size,) = struct.unpack_from("<Q", view, 0)
         if size != len(view):
-            raise FormatError(f"{where}: header says {size} bytes, but {len(view)} were read")
+            raise FormatError(
+                f"{where}: the header says it is {size} bytes long, but the index puts the "
+                f"data offset {len(view)} bytes after it; the data offset in the index differs "
+                "from the header: the file is corrupt or was edited"
+            )
         module_idx, tensor_type, name_len = struct.unpack_from("<HBH", view, 8)
         pos = 13
         raw_name = bytes(view[pos : pos + name_len])
+        if len(raw_name) != name_len:
+            raise struct.error("short name")
         pos += name_len
         dtype, shape, pos = _unpack_dtype_shape(view, pos, long_shape)
         hash_len, count = struct.unpack_from("<HB", view, pos)
+        if hash_len < 1:
+            raise FormatError(f"{where}: the hash section is empty (it must hold its count)")
         section_end = pos + 2 + hash_len
         pos += 3
         hashes: dict[int, bytes] = {}
+        entries: list[tuple[int, bytes]] = []
         spans = []
         for _ in range(count):
+            if pos + 2 > section_end:
+                raise FormatError(f"{where}: hash entry overruns its section")
             htype, hlen = struct.unpack_from("<BB", view, pos)
             pos += 2
             if pos + hlen > section_end:
                 raise FormatError(f"{where}: hash entry overruns its section")
             hashes.setdefault(htype, bytes(view[pos : pos + hlen]))
+            entries.append((htype, bytes(view[pos : pos + hlen])))
             spans.append((pos, pos + hlen))
             pos += hlen
         pos = section_end
@@ -462,4 +476,5 @@ def unpack_tensor_header(
         data_length,
         tuple(spans),
         crypt_span,
+        tuple(entries),
     )
