@@ -20,7 +20,7 @@ import urllib3
 from tensorstream.errors import ConfigError
 from tensorstream.sources.base import StorageOptions
 
-__all__ = ["clean_error", "make_pool"]
+__all__ = ["ca_bundle_kind", "clean_error", "make_pool"]
 
 _POOL_SIZE = 16
 
@@ -43,8 +43,33 @@ def _warn_insecure(display_uri: str) -> None:
     urllib3.disable_warnings(urllib3.exceptions.InsecureRequestWarning)
 
 
+def ca_bundle_kind(options: StorageOptions, *, https: bool) -> str | None:
+    """``"file"`` or ``"dir"`` for the ``ca_bundle`` an HTTPS endpoint uses, else ``None``.
+
+    A plain ``http://`` endpoint never uses a CA bundle, so a missing one is not an
+    error there (a shared ``StorageOptions`` may name a bundle only HTTPS hosts need).
+
+    Raises:
+        ConfigError: ``https`` and ``ca_bundle`` names neither a file nor a directory.
+    """
+    if not https or not options.verify_tls or not options.ca_bundle:
+        return None
+    if os.path.isdir(options.ca_bundle):
+        return "dir"
+    if os.path.isfile(options.ca_bundle):
+        return "file"
+    raise ConfigError(
+        f"ca_bundle {options.ca_bundle!r} is neither a file nor a directory; "
+        "give a PEM bundle or a hashed certificate directory"
+    )
+
+
 def make_pool(
-    options: StorageOptions, display_uri: str, maxsize: int = _POOL_SIZE
+    options: StorageOptions,
+    display_uri: str,
+    maxsize: int = _POOL_SIZE,
+    *,
+    https: bool = True,
 ) -> urllib3.PoolManager:
     """A connection pool with the TLS settings of ``options``.
 
@@ -52,27 +77,24 @@ def make_pool(
         options: ``ca_bundle`` (file or directory) and ``verify_tls`` are honoured.
         display_uri: redacted location, for messages.
         maxsize: connections kept per host (enough for every concurrent reader).
+        https: whether the endpoint is HTTPS; TLS settings are ignored for ``http://``.
 
     Returns:
         A ``urllib3.PoolManager``; system CAs are used unless ``ca_bundle`` is set.
 
     Raises:
-        ConfigError: ``ca_bundle`` does not exist.
+        ConfigError: an HTTPS endpoint and a ``ca_bundle`` that does not exist.
     """
     kwargs: dict[str, object] = {"num_pools": 4, "maxsize": maxsize, "block": False}
     if not options.verify_tls:
-        _warn_insecure(display_uri)
+        if https:
+            _warn_insecure(display_uri)
         kwargs["cert_reqs"] = "CERT_NONE"
-    elif options.ca_bundle:
-        if os.path.isdir(options.ca_bundle):
-            kwargs["ca_cert_dir"] = options.ca_bundle
-        elif os.path.isfile(options.ca_bundle):
-            kwargs["ca_certs"] = options.ca_bundle
-        else:
-            raise ConfigError(
-                f"ca_bundle {options.ca_bundle!r} is neither a file nor a directory; "
-                "give a PEM bundle or a hashed certificate directory"
-            )
+    kind = ca_bundle_kind(options, https=https)
+    if kind == "dir":
+        kwargs["ca_cert_dir"] = options.ca_bundle
+    elif kind == "file":
+        kwargs["ca_certs"] = options.ca_bundle
     return urllib3.PoolManager(**kwargs)  # type: ignore[arg-type]
 
 

@@ -21,6 +21,7 @@ import queue
 import threading
 
 from tensorstream.errors import ConfigError, SourceError
+from tensorstream.sources.fileobj import write_error
 from tensorstream.sources.local import LocalSink
 
 __all__ = ["DirectSink", "direct_io_supported"]
@@ -135,6 +136,11 @@ class DirectSink(LocalSink):
             os.close(self._direct_fd)
             self._direct_fd = -1
             os.ftruncate(self._fd, self._pos)  # drop the padding of the last block
+        except OSError as exc:
+            self.abort()
+            if isinstance(exc, SourceError):
+                raise
+            raise write_error(self._target, exc) from exc
         except BaseException:
             self.abort()
             raise
@@ -202,5 +208,9 @@ class DirectSink(LocalSink):
         return block
 
     def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise SourceError(f"writing {self.display_uri} failed: {self._error}") from self._error
+        error = self._error
+        if error is None:
+            return
+        if isinstance(error, OSError) and not isinstance(error, SourceError):
+            raise write_error(self._target, error) from error
+        raise SourceError(f"writing {self.display_uri} failed: {error}") from error

@@ -1,9 +1,20 @@
-"""Local files: positional reads for sources; temp file + fsync + rename for sinks."""
+"""Local files: positional reads for sources; temp file + fsync + rename for sinks.
+
+A sink's temp file is locked while written, so a later writer of the same target
+can tell the leftovers of a killed writer (``kill -9``) from a live one and remove
+them; a failed write (a full disk) is a ``SourceError`` and leaves only the target's
+previous content.
+"""
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import re
 import tempfile
+import threading
+import time
 
 from tensorstream.errors import (
     AccessDeniedError,
@@ -11,10 +22,14 @@ from tensorstream.errors import (
     SourceNotFoundError,
     TruncatedFileError,
 )
+from tensorstream.sources import termination
 from tensorstream.sources.base import Sink, Source, StorageOptions
+from tensorstream.sources.fileobj import write_error
 from tensorstream.sources.uri import ParsedURI
 
-__all__ = ["LocalSink", "LocalSource"]
+__all__ = ["LocalSink", "LocalSource", "remove_stale_partials"]
+
+_log = logging.getLogger("tensorstream.sources")
 
 _WRITEBACK_EVERY = 64 << 20
 _SYNC_FILE_RANGE_WRITE = 2
@@ -45,7 +60,9 @@ def _open_error(path: str, exc: OSError, verb: str) -> SourceError:
         return AccessDeniedError(f"permission denied {verb} {path}")
     if isinstance(exc, IsADirectoryError):
         return SourceError(f"{path} is a directory; give the path of a file inside it")
-    return SourceError(f"cannot {verb} {path}: {exc}")
+    if verb == "writing":
+        return write_error(path, exc)
+    return SourceError(f"cannot open {path} for {verb}: {exc}")
 
 
 class LocalSource(Source):
@@ -94,20 +111,106 @@ class LocalSource(Source):
             self._fd = -1
 
 
+#: A partial whose PID runs again is still stale once unwritten for this long.
+_STALE_AFTER = 600.0
+_create_lock = threading.Lock()
+_PARTIAL = re.compile(r"\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.partial")
+
+
+def _lock_partial(fd: int) -> bool:
+    """Take the exclusive lock that marks a temp file as being written (non-blocking)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # exists, owned by someone else
+    return True
+
+
+def remove_stale_partials(target: str) -> list[str]:
+    """Delete temp files that earlier, killed writers of ``target`` left behind.
+
+    A writer names its temp file ``.<name>.<pid>.<random>.partial`` and holds an
+    exclusive ``flock`` on it until it commits or aborts; the kernel drops the lock
+    when the process dies, even of SIGKILL. A partial is removed only when its lock
+    can be taken (no live writer holds it) and its writer cannot be between creating
+    and locking it: the PID is not running, or is this process (whose sinks create
+    and lock under one mutex), or the file was last written ``_STALE_AFTER`` seconds
+    ago (the PID was reused, e.g. by a restarted container). Partials of other targets
+    in the same directory never match the name.
+
+    Returns:
+        The paths removed (errors are ignored: cleaning up is best effort).
+    """
+    directory = os.path.dirname(target) or "."
+    prefix = f".{os.path.basename(target)}"
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in names:
+        match = _PARTIAL.fullmatch(name, len(prefix))
+        if match is None:
+            continue
+        path = os.path.join(directory, name)
+        pid = int(match["pid"])
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            age = time.time() - os.fstat(fd).st_mtime
+            if pid != os.getpid() and _pid_alive(pid) and age < _STALE_AFTER:
+                continue
+            if _lock_partial(fd):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    if removed:
+        _log.info(
+            "removed %d stale temp file(s) of %s left by killed writers", len(removed), target
+        )
+    return removed
+
+
 class LocalSink(Sink):
-    """Writes to a hidden temp file beside the target; ``commit`` fsyncs and renames."""
+    """Writes to a hidden temp file beside the target; ``commit`` fsyncs and renames.
+
+    The temp file is ``.<name>.<pid>.<random>.partial``, locked with ``flock`` while
+    it is written; opening a sink first removes the stale partials of the same target
+    that killed writers left (see ``remove_stale_partials``). SIGTERM aborts it.
+    """
 
     def __init__(self, uri: ParsedURI, options: StorageOptions | None = None) -> None:
         self._target = uri.target
         self.display_uri = uri.target
+        self._done = True  # until the temp file exists: nothing to abort
         directory = os.path.dirname(self._target) or "."
         if os.path.isdir(self._target):
             raise SourceError(f"{self._target} is a directory; give a file path to write")
         try:
             os.makedirs(directory, exist_ok=True)
-            fd, self._tmp = tempfile.mkstemp(
-                prefix=f".{os.path.basename(self._target)}.", suffix=".partial", dir=directory
-            )
+            with _create_lock:  # another thread's sink never sees our partial unlocked
+                remove_stale_partials(self._target)
+                fd, self._tmp = tempfile.mkstemp(
+                    prefix=f".{os.path.basename(self._target)}.{os.getpid()}.",
+                    suffix=".partial",
+                    dir=directory,
+                )
+                _lock_partial(fd)  # held until the descriptor closes (commit, abort, death)
         except OSError as exc:
             raise _open_error(self._target, exc, "writing") from exc
         self._fd = fd
@@ -115,6 +218,7 @@ class LocalSink(Sink):
         self._done = False
         self._mode = 0o666 & ~_umask()
         self._unflushed = 0
+        termination.track(self)
 
     @property
     def position(self) -> int:
@@ -126,20 +230,27 @@ class LocalSink(Sink):
 
     def write(self, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
-        while len(view):
-            n = os.pwrite(self._fd, view, self._pos)
-            self._pos += n
-            view = view[n:]
-        self._start_writeback(len(data))
+        size = len(view)
+        try:
+            while len(view):
+                n = os.pwrite(self._fd, view, self._pos)
+                self._pos += n
+                view = view[n:]
+        except OSError as exc:
+            raise write_error(self._target, exc) from exc
+        self._start_writeback(size)
 
     def pwrite(self, offset: int, data: memoryview | bytes) -> None:
         """Write at any offset (local files only); used by parallel writers."""
         view = memoryview(data).cast("B")
         size = len(view)
-        while len(view):
-            n = os.pwrite(self._fd, view, offset)
-            offset += n
-            view = view[n:]
+        try:
+            while len(view):
+                n = os.pwrite(self._fd, view, offset)
+                offset += n
+                view = view[n:]
+        except OSError as exc:
+            raise write_error(self._target, exc) from exc
         self._pos = max(self._pos, offset)
         self._start_writeback(size)
 
@@ -168,10 +279,15 @@ class LocalSink(Sink):
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
+        except OSError as exc:
+            self.abort()
+            # fsync reports a full disk too (delayed allocation): same message as write.
+            raise write_error(self._target, exc) from exc
         except BaseException:
             self.abort()
             raise
         self._done = True
+        termination.untrack(self)
 
     def abort(self) -> None:
         if self._done:
@@ -184,10 +300,14 @@ class LocalSink(Sink):
             os.unlink(self._tmp)
         except FileNotFoundError:
             pass
+        termination.untrack(self)
 
     def set_mode(self, mode: int) -> None:
         """Restrict permissions before commit (key files use 0o600)."""
-        os.fchmod(self._fd, mode)
+        try:
+            os.fchmod(self._fd, mode)
+        except OSError as exc:
+            raise write_error(self._target, exc) from exc
         self._mode = mode
 
     def __del__(self) -> None:

@@ -11,11 +11,13 @@ query strings (presigned signatures) and userinfo never reach logs or errors.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import urllib3
 
@@ -25,6 +27,7 @@ from tensorstream.errors import (
     SourceChangedError,
     SourceError,
     SourceNotFoundError,
+    TensorStreamError,
     TruncatedFileError,
 )
 from tensorstream.sources.base import RangeReader, Source, StorageOptions
@@ -62,6 +65,29 @@ class ObjectInfo:
     supports_ranges: bool
     etag: str | None
     last_modified: str | None
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _ours(method: _F) -> _F:
+    """Last line of defence: a transport error that escaped the retry logic (urllib3,
+    http.client, socket, ssl) leaves as a ``SourceError`` naming the object."""
+
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except TensorStreamError:
+            raise
+        except _TRANSPORT_ERRORS as exc:
+            uri = getattr(self, "display_uri", None) or self._http.display_uri
+            raise SourceError(
+                f"{uri}: the transfer failed ({type(exc).__name__}: {_clean(exc)}); check "
+                "that the server is reachable and serves the whole object, then load again"
+            ) from exc
+
+    return wrapper  # type: ignore[return-value]
 
 
 def _readinto(resp: urllib3.BaseHTTPResponse, view: memoryview) -> int:
@@ -113,6 +139,7 @@ class RangedHttp:
         error_hook: maps backend error bodies (S3 XML codes) to errors first.
         follow_redirects: follow 3xx (plain HTTP yes; signed S3 requests no).
         assume_ranges: the backend always honours Range (S3), whatever the probe says.
+        https: whether requests go over TLS (default: ``display_uri`` starts with https://).
     """
 
     def __init__(
@@ -124,13 +151,16 @@ class RangedHttp:
         error_hook: ErrorHook | None = None,
         follow_redirects: bool = True,
         assume_ranges: bool = False,
+        https: bool | None = None,
     ) -> None:
         self.display_uri = display_uri
         self._options = options
         self._sign = sign
         self._hook = error_hook
         self._assume_ranges = assume_ranges
-        self._pool = make_pool(options, display_uri)
+        if https is None:
+            https = display_uri.lower().startswith("https://")
+        self._pool = make_pool(options, display_uri, https=https)
         self._timeout = urllib3.Timeout(connect=options.timeout, read=options.timeout)
         self._retries = urllib3.Retry(
             total=None,
@@ -152,6 +182,7 @@ class RangedHttp:
             self._info = self.probe()
         return self._info
 
+    @_ours
     def probe(self) -> ObjectInfo:
         """GET ``bytes=0-0`` to learn size, Range support and validators.
 
@@ -178,7 +209,14 @@ class RangedHttp:
                         f"{self.display_uri} answered a Range request without a usable "
                         f"Content-Range ({headers.get('Content-Range')!r}); cannot learn its size"
                     )
-                resp.read()
+                try:
+                    resp.read()
+                except _TRANSPORT_ERRORS as exc:
+                    # A body shorter than its Content-Length (urllib3's ProtocolError):
+                    # the connection was cut, so probe again like any other cut.
+                    _finish(resp)
+                    budget.fail(f"{_clean(exc)} (reading the size probe)", 0)
+                    continue
                 _finish(resp)
                 info = ObjectInfo(int(match.group(3)), True, etag, modified)
             elif status == 200:
@@ -208,6 +246,7 @@ class RangedHttp:
 
     # -- reads -------------------------------------------------------------------
 
+    @_ours
     def read_into(self, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` from ``offset`` with one ranged GET (resumed if cut)."""
         info = self.info
@@ -229,6 +268,7 @@ class RangedHttp:
             raise
         _finish(cursor.resp)  # a 200 body longer than the read is closed, not pooled
 
+    @_ours
     def open_range(self, start: int, end: int) -> HttpRangeReader:
         """A sequential reader over ``[start, end)`` that keeps one GET open."""
         info = self.info
@@ -327,7 +367,15 @@ class RangedHttp:
     ) -> urllib3.BaseHTTPResponse | None:
         """One GET; ``None`` after a transport error that the budget allows retrying."""
         all_headers = {"Accept-Encoding": "identity", **dict(self._options.headers), **headers}
-        url, all_headers = self._sign("GET", all_headers)
+        try:
+            url, all_headers = self._sign("GET", all_headers)
+        except SourceError:
+            raise
+        except Exception as exc:  # botocore credential refresh and signing failures
+            raise SourceError(
+                f"{self.display_uri}: could not sign the request ({type(exc).__name__}); "
+                "check the credentials and their provider"
+            ) from exc
         try:
             return self._pool.urlopen(
                 "GET",
@@ -447,6 +495,7 @@ class HttpRangeReader(RangeReader):
     def position(self) -> int:
         return self._cursor.pos
 
+    @_ours
     def readinto_exact(self, buf: memoryview) -> None:
         pos, want, size = self._cursor.pos, len(buf), self._http.info.size
         if pos + want > self._end or pos + want > size:
@@ -458,6 +507,7 @@ class HttpRangeReader(RangeReader):
         if want:
             self._http._fill(self._cursor, buf)
 
+    @_ours
     def skip(self, n: int) -> None:
         cursor = self._cursor
         if n <= 0:

@@ -24,6 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import urllib3
+
 from tensorstream.errors import (
     AccessDeniedError,
     ConfigError,
@@ -31,7 +33,9 @@ from tensorstream.errors import (
     SourceError,
     SourceNotFoundError,
 )
+from tensorstream.sources import termination
 from tensorstream.sources.base import Sink, StorageOptions
+from tensorstream.sources.connection import ca_bundle_kind
 from tensorstream.sources.credentials import S3Credentials, resolve_s3_credentials
 from tensorstream.sources.ranged import RangedHttp, RangedSource
 from tensorstream.sources.uri import ParsedURI, parse_uri
@@ -128,6 +132,7 @@ class S3Source(RangedSource):
             error_hook=self._error,
             follow_redirects=False,
             assume_ranges=True,
+            https=self._url.lower().startswith("https://"),
         )
         self._info = self._http.probe()
 
@@ -204,7 +209,10 @@ def _client(creds: S3Credentials, options: StorageOptions) -> Any:
             "aws_secret_access_key": creds.secret_access_key,
             "aws_session_token": creds.session_token,
         }
-    verify: bool | str = options.ca_bundle if options.ca_bundle else options.verify_tls
+    https = creds.endpoint.lower().startswith("https://")
+    verify: bool | str = (
+        options.ca_bundle if ca_bundle_kind(options, https=https) else options.verify_tls
+    )
     session = botocore.session.Session()
     if creds.provider is not None:
         session._credentials = creds.provider  # reuse the chain's refreshing credentials
@@ -248,6 +256,13 @@ def _call(target: _Target, operation: str, **kwargs: Any) -> Any:
         raise SourceError(
             f"{target.display_uri}: {operation} failed ({type(exc).__name__}: {exc}); check "
             f"that the endpoint {target.creds.endpoint} is reachable"
+        ) from exc
+    except SourceError:
+        raise
+    except (OSError, urllib3.exceptions.HTTPError) as exc:  # below botocore's own wrapping
+        raise SourceError(
+            f"{target.display_uri}: {operation} failed ({type(exc).__name__}); check that the "
+            f"endpoint {target.creds.endpoint} is reachable"
         ) from exc
 
 
@@ -294,8 +309,8 @@ class S3Sink(Sink):
     ``first part + (_MAX_QUEUED + 1) * part_size``). Part 1 stays in memory
     until ``commit`` so ``patch`` can rewrite it. A total that fits in one
     part is sent with a single ``PutObject``. ``abort()`` (also on an
-    exception inside ``with``, on garbage collection and at exit) aborts the
-    multipart upload, so no partial object and no stray parts remain.
+    exception inside ``with``, on SIGTERM, on garbage collection and at exit) aborts
+    the multipart upload, so no partial object and no stray parts remain.
 
     Args:
         uri: parsed ``s3://bucket/key``.
@@ -338,13 +353,15 @@ class S3Sink(Sink):
         self._cur_len = 0
         self._free: list[bytearray] = []
         self._slots = threading.Semaphore(_MAX_QUEUED)
-        self._lock = threading.Lock()
+        # Re-entrant: a SIGTERM handler may abort while the main thread is inside abort().
+        self._lock = threading.RLock()
         self._pool: ThreadPoolExecutor | None = None
         self._parts: dict[int, Future[str]] = {}
         self._upload_id: str | None = None
         self._pos = 0
         self._state = "open"
         _LIVE.add(self)
+        termination.track(self)
 
     @property
     def patch_window(self) -> int:
@@ -489,6 +506,7 @@ class S3Sink(Sink):
         self._cur = None
         self._free.clear()
         _LIVE.discard(self)
+        termination.untrack(self)
 
 
 def write_object(uri: str, data: bytes, options: StorageOptions | None = None) -> None:
