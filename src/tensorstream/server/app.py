@@ -24,13 +24,16 @@ from tensorstream.server.adapters import AdapterRegistry
 from tensorstream.server.batcher import EngineLoop
 from tensorstream.server.errors import APIError, error_body, install_error_handlers
 from tensorstream.server.metrics import ServerMetrics
+from tensorstream.server.render import BoundedRunner
+from tensorstream.server.security import AllowedRoots
 
 __all__ = ["ServeOptions", "ServerState", "create_app"]
 
 logger = logging.getLogger(__name__)
 
-# Paths that need neither the API key nor a loaded model (health says "loading" itself).
-_OPEN_PATHS = frozenset({"/health", "/metrics", "/docs", "/openapi.json", "/ping"})
+# Paths that need no API key: probes and Prometheus' scrape (by convention unauthenticated).
+# /docs and /openapi.json describe the API, so they follow the key like the API does.
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/ping"})
 _KNOWN_PATHS = frozenset(
     {
         "/health",
@@ -56,12 +59,26 @@ class ServeOptions:
         api_key: when set, every API route needs ``Authorization: Bearer <key>``.
         max_num_seqs: most sequences generated at once; later requests wait.
         enable_lora: adapters may be loaded and selected by ``model``.
+        runtime_lora_updating: clients may load/unload adapters over HTTP.
+        lora_allowed_roots: where runtime adapter loads may read from (see
+            :mod:`tensorstream.server.security`).
+        max_seqs_per_request: most prompts x ``n`` one request may ask for.
+        max_prompt_chars: most characters of prompt text (or chat messages, or a
+            rendered chat template) one request may send.
+        chat_template_timeout: seconds a chat template may take to render.
+        trust_request_chat_template: accept a ``chat_template`` sent by the client.
     """
 
     served_model_name: str
     api_key: str | None = None
     max_num_seqs: int = 256
     enable_lora: bool = False
+    runtime_lora_updating: bool = False
+    lora_allowed_roots: tuple[str, ...] = ()
+    max_seqs_per_request: int = 256
+    max_prompt_chars: int = 4 << 20
+    chat_template_timeout: float = 10.0
+    trust_request_chat_template: bool = False
 
 
 class ServerState:
@@ -78,8 +95,15 @@ class ServerState:
         self.load_error: str | None = None
         self._ready = False
         self.started = time.time()
-        self.adapters = AdapterRegistry(options.served_model_name, options.enable_lora)
+        self.adapters = AdapterRegistry(
+            options.served_model_name,
+            options.enable_lora,
+            runtime_updates=options.runtime_lora_updating,
+            allowed_roots=AllowedRoots(options.lora_allowed_roots),
+        )
+        self.renderer = BoundedRunner()  # chat templates, off the event loop
         self.metrics = ServerMetrics(
+            options.served_model_name,
             running=lambda: self.loop.num_running if self.loop else 0,
             waiting=lambda: self.loop.num_waiting if self.loop else 0,
         )
@@ -100,8 +124,7 @@ class ServerState:
         loop.start()
         stats = getattr(llm, "load_stats", None)
         if stats is not None:
-            self.metrics.load_seconds.set(stats.seconds)
-            self.metrics.load_bytes.set(stats.bytes)
+            self.metrics.record_load(stats)
         self.llm = llm
         self.adapters.bind(llm, loop)
         self.loop = loop
@@ -172,7 +195,7 @@ class _GateMiddleware:
                 return
             await self.app(scope, receive, counting_send)
         finally:
-            self.state.metrics.http_requests.inc(1, label, str(status_seen))
+            self.state.metrics.http_request(label, status_seen)
 
     def _refusal(self, scope: dict, path: str) -> tuple[int, dict, list] | None:
         state = self.state
@@ -187,9 +210,7 @@ class _GateMiddleware:
                 token.strip().encode(), key.encode()
             ):
                 body = error_body(
-                    401,
-                    "missing or wrong API key; send 'Authorization: Bearer <key>'",
-                    code="invalid_api_key",
+                    401, "missing or wrong API key; send 'Authorization: Bearer <key>'"
                 )
                 return 401, body, [(b"www-authenticate", b"Bearer")]
         if not state.ready and path not in ("/metrics", "/docs", "/openapi.json"):

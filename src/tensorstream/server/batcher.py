@@ -6,6 +6,12 @@ two steps it applies aborts, runs queued commands (adapter loads), and admits
 waiting requests up to ``max_num_seqs`` running sequences, so a request that
 arrives while a batch runs joins at the next step.
 
+Admission is fair between HTTP requests, not first-come by prompt: one HTTP
+request may carry many prompts, and each becomes an engine request tagged
+with its HTTP request's *group*. Free seats go round-robin over the groups
+that have something waiting, so a client sending a thousand prompts gets one
+seat in turn with everyone else instead of holding the queue.
+
 Each request gets a :class:`RequestStream`. The engine thread publishes the
 request's *latest* cumulative output to it on the event loop; readers take
 what is new when they are ready. A slow streaming client therefore never
@@ -100,7 +106,67 @@ class _Pending:
     prompt: str | None
     lora_request: Any
     created: float
+    group: object
     first_token: float | None = None
+    last_output: float | None = None
+
+
+class _FairQueue:
+    """Waiting requests, one FIFO per group, served round-robin over the groups."""
+
+    def __init__(self) -> None:
+        self._groups: collections.OrderedDict[object, collections.deque[_Pending]] = (
+            collections.OrderedDict()
+        )
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Any:
+        for queue in self._groups.values():
+            yield from queue
+
+    def push(self, pending: _Pending) -> None:
+        self._groups.setdefault(pending.group, collections.deque()).append(pending)
+        self._size += 1
+
+    def peek(self) -> _Pending:
+        """The next request to admit: the head of the group whose turn it is."""
+        return next(iter(self._groups.values()))[0]
+
+    def pop(self) -> _Pending:
+        """Take :meth:`peek`'s request; its group goes to the back of the line."""
+        group, queue = next(iter(self._groups.items()))
+        pending = queue.popleft()
+        del self._groups[group]
+        if queue:
+            self._groups[group] = queue  # re-inserted last: the next group's turn
+        self._size -= 1
+        return pending
+
+    def push_front(self, pending: _Pending) -> None:
+        """Put back a request :meth:`pop` took; its group is first again."""
+        queue = self._groups.pop(pending.group, collections.deque())
+        queue.appendleft(pending)
+        self._groups[pending.group] = queue
+        self._groups.move_to_end(pending.group, last=False)
+        self._size += 1
+
+    def remove(self, request_id: str) -> _Pending | None:
+        for group, queue in self._groups.items():
+            for pending in queue:
+                if pending.stream.request_id == request_id:
+                    queue.remove(pending)
+                    if not queue:
+                        del self._groups[group]
+                    self._size -= 1
+                    return pending
+        return None
+
+    def clear(self) -> None:
+        self._groups.clear()
+        self._size = 0
 
 
 class EngineLoop:
@@ -122,7 +188,7 @@ class EngineLoop:
         self._inbox: list[_Pending] = []
         self._aborts: list[str] = []
         self._commands: list[tuple[Callable[[Any], Any], concurrent.futures.Future]] = []
-        self._waiting: collections.deque[_Pending] = collections.deque()
+        self._waiting = _FairQueue()
         self._running: dict[str, _Pending] = {}
         self._ids = itertools.count()
         self._stopping = False
@@ -152,8 +218,13 @@ class EngineLoop:
         *,
         prompt: str | None = None,
         lora_request: Any = None,
+        group: object = None,
     ) -> RequestStream:
         """Queue a request; call from a coroutine on the event loop that will read it.
+
+        Args:
+            group: the HTTP request this engine request belongs to; requests of one
+                group share a turn in the round-robin admission (None: its own group).
 
         Returns:
             The request's stream; read it with ``updates()`` or ``result()``.
@@ -165,7 +236,13 @@ class EngineLoop:
             f"req-{next(self._ids)}", list(prompt_token_ids), asyncio.get_running_loop()
         )
         pending = _Pending(
-            stream, list(prompt_token_ids), params, prompt, lora_request, time.monotonic()
+            stream,
+            list(prompt_token_ids),
+            params,
+            prompt,
+            lora_request,
+            time.monotonic(),
+            stream.request_id if group is None else group,
         )
         with self._cond:
             if self._stopping:
@@ -216,7 +293,8 @@ class EngineLoop:
                 aborts, self._aborts = self._aborts, []
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
-            self._waiting.extend(inbox)
+            for pending in inbox:
+                self._waiting.push(pending)
             for fn, future in commands:
                 if future.set_running_or_notify_cancel():
                     try:
@@ -233,11 +311,10 @@ class EngineLoop:
                 self._step()
 
     def _abort(self, request_id: str) -> None:
-        for pending in self._waiting:
-            if pending.stream.request_id == request_id:
-                self._waiting.remove(pending)
-                self._finish_metrics(pending, None, "abort")
-                return
+        pending = self._waiting.remove(request_id)
+        if pending is not None:
+            self._finish_metrics(pending, None, "abort")
+            return
         pending = self._running.pop(request_id, None)
         if pending is not None:
             self.engine.abort_request(request_id)
@@ -248,11 +325,11 @@ class EngineLoop:
 
     def _admit(self) -> None:
         while self._waiting:
-            pending = self._waiting[0]
+            pending = self._waiting.peek()
             # A request wider than the whole budget still runs, alone.
             if self._running and self._seats() + pending.params.n > self.max_num_seqs:
                 return
-            self._waiting.popleft()
+            self._waiting.pop()
             kwargs: dict[str, Any] = {
                 "prompt": pending.prompt,
                 "request_id": pending.stream.request_id,
@@ -264,7 +341,7 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001 - the request fails, the server lives
                 if pending.lora_request is not None and self._running:
                     # Every adapter slot may be held by running requests: retry after a step.
-                    self._waiting.appendleft(pending)
+                    self._waiting.push_front(pending)
                     return
                 self._deliver(pending.stream._fail, exc)
                 continue
@@ -291,10 +368,14 @@ class EngineLoop:
             pending = self._running.get(output.request_id)
             if pending is None:
                 continue  # aborted since it was stepped
+            if self.metrics is not None:
+                if pending.first_token is None:
+                    self.metrics.ttft.observe(now - pending.created)
+                elif pending.last_output is not None:
+                    self.metrics.inter_token.observe(now - pending.last_output)
             if pending.first_token is None:
                 pending.first_token = now
-                if self.metrics is not None:
-                    self.metrics.ttft.observe(now - pending.created)
+            pending.last_output = now
             self._deliver(pending.stream._publish, output)
             if output.finished:
                 del self._running[output.request_id]
@@ -312,10 +393,15 @@ class EngineLoop:
     def _finish_metrics(self, pending: _Pending, output: RequestOutput | None, reason: str) -> None:
         if self.metrics is None:
             return
-        self.metrics.finished.inc(1, reason)
+        self.metrics.finished(reason)
         if output is not None:
-            self.metrics.latency.observe(time.monotonic() - pending.created)
-            self.metrics.generation_tokens.inc(sum(len(o.token_ids) for o in output.outputs))
+            now = time.monotonic()
+            self.metrics.latency.observe(now - pending.created)
+            generated = sum(len(o.token_ids) for o in output.outputs)
+            self.metrics.generation_tokens.inc(generated)
+            steps = max((len(o.token_ids) for o in output.outputs), default=0)
+            if pending.first_token is not None and steps > 1:
+                self.metrics.per_output_token.observe((now - pending.first_token) / (steps - 1))
 
     @staticmethod
     def _deliver(callback: Callable[..., None], arg: Any) -> None:

@@ -1,7 +1,9 @@
 """Errors of the HTTP API as OpenAI's error JSON, and the handlers that make every failure one.
 
 OpenAI clients expect ``{"error": {"message", "type", "param", "code"}}`` with
-the HTTP status carrying the class of failure. :class:`APIError` is raised by
+the HTTP status carrying the class of failure. As in vLLM (``ErrorInfo.code: int``),
+``code`` is always the HTTP status as an integer, for every error the server
+sends (auth, validation, streaming errors included). :class:`APIError` is raised by
 the routes; :func:`install_error_handlers` turns it, request-validation errors
 (400, not FastAPI's 422), library ``ConfigError`` (400) and anything unexpected
 (500, logged) into that shape, so a bad request never takes the server down.
@@ -21,8 +23,10 @@ logger = logging.getLogger(__name__)
 _TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     409: "ConflictError",
+    413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -35,33 +39,27 @@ class APIError(Exception):
         status: HTTP status code.
         message: what went wrong and what to do about it.
         param: the request field at fault, if any.
-        code: a short machine-readable code (OpenAI sometimes sets one).
     """
 
-    def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None
-    ) -> None:
+    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
-        self.code = code
 
     def body(self) -> dict[str, Any]:
         """The JSON body OpenAI clients parse."""
-        return error_body(self.status, self.message, param=self.param, code=self.code)
+        return error_body(self.status, self.message, param=self.param)
 
 
-def error_body(
-    status: int, message: str, *, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """Return OpenAI's error JSON for ``status`` and ``message``."""
+def error_body(status: int, message: str, *, param: str | None = None) -> dict[str, Any]:
+    """Return the error JSON for ``status``: ``code`` is the status, as vLLM sends it."""
     return {
         "error": {
             "message": message,
             "type": _TYPES.get(status, "APIError"),
             "param": param,
-            "code": code if code is not None else status,
+            "code": int(status),
         }
     }
 
@@ -69,7 +67,7 @@ def error_body(
 def install_error_handlers(app: Any) -> None:
     """Register handlers on a FastAPI ``app`` so every error leaves as OpenAI error JSON."""
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
     from starlette.exceptions import HTTPException
 
     async def api_error(_request: Any, exc: APIError) -> JSONResponse:
@@ -99,11 +97,20 @@ def install_error_handlers(app: Any) -> None:
         )
 
     async def unexpected(_request: Any, exc: Exception) -> JSONResponse:
+        # The text may name server paths or remote replies: it goes to the log only.
         logger.exception("request failed")
         return JSONResponse(
-            error_body(500, f"internal error: {type(exc).__name__}: {exc}"), status_code=500
+            error_body(500, f"internal error ({type(exc).__name__}); see the server log"),
+            status_code=500,
         )
 
+    async def disconnected(_request: Any, _exc: Exception) -> Response:
+        # Logged once at INFO where it was noticed; nobody reads this answer.
+        return Response(status_code=499)
+
+    from tensorstream.server.streaming import ClientDisconnected
+
+    app.add_exception_handler(ClientDisconnected, disconnected)
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(ConfigError, config_error)

@@ -1,189 +1,178 @@
-"""Server metrics in Prometheus' text exposition format, without a client library.
+"""Server metrics with ``prometheus_client``, one registry per app, under vLLM's names.
 
-``prometheus_client`` is not a dependency, so this module keeps the few
-instruments the server needs (counters, gauges, histograms, each with optional
-labels) and renders them as text format 0.0.4. Updates come from the event
-loop and from the engine thread, so every instrument takes a lock.
+What vLLM also measures keeps vLLM's name and ``model_name`` label, so
+dashboards built for ``vllm serve`` work unchanged:
+
+==========================================  =========  =================================
+name                                        kind       labels
+==========================================  =========  =================================
+``vllm:num_requests_running``               gauge      model_name
+``vllm:num_requests_waiting``               gauge      model_name
+``vllm:time_to_first_token_seconds``        histogram  model_name
+``vllm:e2e_request_latency_seconds``        histogram  model_name
+``vllm:inter_token_latency_seconds``        histogram  model_name (one per engine step)
+``vllm:time_per_output_token_seconds``      histogram  model_name (mean over a request)
+``vllm:prompt_tokens_total``                counter    model_name
+``vllm:generation_tokens_total``            counter    model_name
+``vllm:request_success_total``              counter    model_name, finished_reason
+==========================================  =========  =================================
+
+Ours keep the ``tensorstream_`` prefix: readiness, the model load (bytes,
+seconds, read seconds, GB/s), adapter loads and HTTP requests by route and
+status. Every app owns its ``CollectorRegistry``, so two apps in one process
+never share or collide. Updates come from the event loop and from the engine
+thread; ``prometheus_client`` instruments are thread-safe.
 """
 
 from __future__ import annotations
 
-import math
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["Counter", "Gauge", "Histogram", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-
-def _labels(names: Sequence[str], values: Sequence[str], extra: str = "") -> str:
-    parts = [f'{n}="{_escape(v)}"' for n, v in zip(names, values, strict=True)]
-    if extra:
-        parts.append(extra)
-    return "{" + ",".join(parts) + "}" if parts else ""
-
-
-def _escape(value: str) -> str:
-    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _num(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value)) if not float(value).is_integer() else str(int(value))
-
-
-class _Instrument:
-    kind = "untyped"
-
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
-        self.name = name
-        self.help = help_text
-        self.label_names = tuple(labels)
-        self._lock = threading.Lock()
-
-    def header(self) -> list[str]:
-        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
-
-
-class Counter(_Instrument):
-    """A value that only goes up, per label set."""
-
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str, labels: Sequence[str] = ()) -> None:
-        super().__init__(name, help_text, labels)
-        self._values: dict[tuple[str, ...], float] = {} if labels else {(): 0.0}
-
-    def inc(self, amount: float = 1.0, *labels: str) -> None:
-        """Add ``amount`` to the series named by ``labels``."""
-        with self._lock:
-            self._values[labels] = self._values.get(labels, 0.0) + amount
-
-    def value(self, *labels: str) -> float:
-        """Current value of one series (0 if never touched)."""
-        with self._lock:
-            return self._values.get(labels, 0.0)
-
-    def render(self) -> list[str]:
-        with self._lock:
-            items = sorted(self._values.items())
-        return self.header() + [
-            f"{self.name}{_labels(self.label_names, k)} {_num(v)}" for k, v in items
-        ]
-
-
-class Gauge(_Instrument):
-    """A value read at scrape time from a callback, or set directly."""
-
-    kind = "gauge"
-
-    def __init__(self, name: str, help_text: str, read: Callable[[], float] | None = None) -> None:
-        super().__init__(name, help_text)
-        self._read = read
-        self._value = 0.0
-
-    def set(self, value: float) -> None:
-        """Set the value (ignored when a callback supplies it)."""
-        with self._lock:
-            self._value = float(value)
-
-    def render(self) -> list[str]:
-        value = self._read() if self._read is not None else self._value
-        return self.header() + [f"{self.name} {_num(value)}"]
-
-
-class Histogram(_Instrument):
-    """Observations counted into cumulative buckets, plus their sum and count."""
-
-    kind = "histogram"
-
-    def __init__(
-        self, name: str, help_text: str, buckets: Sequence[float] = _LATENCY_BUCKETS
-    ) -> None:
-        super().__init__(name, help_text)
-        self.buckets = tuple(sorted(buckets))
-        self._counts = [0] * len(self.buckets)
-        self._sum = 0.0
-        self._count = 0
-
-    def observe(self, value: float) -> None:
-        """Record one observation."""
-        with self._lock:
-            self._sum += value
-            self._count += 1
-            for i, bound in enumerate(self.buckets):
-                if value <= bound:
-                    self._counts[i] += 1
-
-    @property
-    def count(self) -> int:
-        """How many observations were recorded."""
-        return self._count
-
-    def render(self) -> list[str]:
-        with self._lock:
-            counts, total, count = list(self._counts), self._sum, self._count
-        lines = self.header()
-        for bound, n in zip(self.buckets, counts, strict=True):
-            lines.append(f'{self.name}_bucket{{le="{_num(bound)}"}} {n}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {count}')
-        lines.append(f"{self.name}_sum {_num(total)}")
-        lines.append(f"{self.name}_count {count}")
-        return lines
+# Seconds; the same spread vLLM uses, from a fast GPU step to a long CPU request.
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_TOKEN_BUCKETS = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+    0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
 
 
 class ServerMetrics:
-    """Every instrument the server exports, under the ``tensorstream_`` prefix.
+    """Every instrument one server exports, in its own registry.
 
     Args:
+        model_name: the served model's name (the ``model_name`` label).
         running: callback giving the number of running requests.
         waiting: callback giving the number of requests waiting for a slot.
     """
 
     def __init__(
-        self, running: Callable[[], float] = lambda: 0, waiting: Callable[[], float] = lambda: 0
+        self,
+        model_name: str = "",
+        running: Callable[[], float] = lambda: 0,
+        waiting: Callable[[], float] = lambda: 0,
     ) -> None:
-        p = "tensorstream_"
-        self.load_seconds = Gauge(p + "model_load_seconds", "Seconds to load the model weights.")
-        self.load_bytes = Gauge(p + "model_load_bytes", "Bytes of model weights loaded.")
-        self.ready = Gauge(p + "ready", "1 once the model is loaded and requests are served.")
-        self.http_requests = Counter(
-            p + "http_requests_total", "HTTP requests by route and status.", ("path", "status")
-        )
-        self.finished = Counter(
-            p + "request_finished_total",
-            "Generation requests that ended, by finish reason.",
-            ("finish_reason",),
-        )
-        self.prompt_tokens = Counter(p + "prompt_tokens_total", "Prompt tokens processed.")
-        self.generation_tokens = Counter(p + "generation_tokens_total", "Tokens generated.")
-        self.ttft = Histogram(
-            p + "time_to_first_token_seconds", "Seconds from request to its first token."
-        )
-        self.latency = Histogram(
-            p + "e2e_request_latency_seconds", "Seconds from request to its last token."
-        )
-        self.running = Gauge(p + "num_requests_running", "Requests being generated.", running)
-        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting for a slot.", waiting)
-        self._all: list[_Instrument] = [
-            self.ready,
-            self.load_seconds,
-            self.load_bytes,
-            self.http_requests,
-            self.finished,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.ttft,
-            self.latency,
-            self.running,
-            self.waiting,
-        ]
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-    def render(self) -> str:
-        """All instruments as Prometheus text (ends with a newline)."""
-        lines: list[str] = []
-        for instrument in self._all:
-            lines.extend(instrument.render())  # type: ignore[attr-defined]
-        return "\n".join(lines) + "\n"
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        m = ("model_name",)
+        self.model_name = model_name
+
+        def labelled(metric: Any) -> Any:
+            return metric.labels(model_name=model_name)
+
+        self._running = Gauge(
+            "vllm:num_requests_running", "Requests being generated.", m, registry=r
+        )
+        self._running.labels(model_name=model_name).set_function(running)
+        self._waiting = Gauge(
+            "vllm:num_requests_waiting", "Requests waiting for a slot.", m, registry=r
+        )
+        self._waiting.labels(model_name=model_name).set_function(waiting)
+        self.ttft = labelled(
+            Histogram(
+                "vllm:time_to_first_token_seconds",
+                "Seconds from arrival to the first generated token.",
+                m,
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            )
+        )
+        self.latency = labelled(
+            Histogram(
+                "vllm:e2e_request_latency_seconds",
+                "Seconds from arrival to the last generated token.",
+                m,
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            )
+        )
+        self.inter_token = labelled(
+            Histogram(
+                "vllm:inter_token_latency_seconds",
+                "Seconds between two consecutive outputs of a request (one per engine step).",
+                m,
+                buckets=_TOKEN_BUCKETS,
+                registry=r,
+            )
+        )
+        self.per_output_token = labelled(
+            Histogram(
+                "vllm:time_per_output_token_seconds",
+                "Mean seconds per generated token after the first, per finished request.",
+                m,
+                buckets=_TOKEN_BUCKETS,
+                registry=r,
+            )
+        )
+        self.prompt_tokens = labelled(
+            Counter("vllm:prompt_tokens", "Prompt tokens admitted.", m, registry=r)
+        )
+        self.generation_tokens = labelled(
+            Counter("vllm:generation_tokens", "Tokens generated.", m, registry=r)
+        )
+        self._success = Counter(
+            "vllm:request_success",
+            "Requests that ended, by finish reason (stop, length, abort, error).",
+            ("model_name", "finished_reason"),
+            registry=r,
+        )
+        p = "tensorstream_"
+        self.ready = Gauge(
+            p + "ready", "1 once the model is loaded and requests are served.", registry=r
+        )
+        self.load_seconds = Gauge(
+            p + "model_load_seconds", "Seconds to load the model weights.", registry=r
+        )
+        self.load_read_seconds = Gauge(
+            p + "model_load_read_seconds",
+            "Seconds spent reading the weights from storage.",
+            registry=r,
+        )
+        self.load_bytes = Gauge(
+            p + "model_load_bytes", "Bytes of model weights loaded.", registry=r
+        )
+        self.load_gb_per_s = Gauge(
+            p + "model_load_gb_per_second", "Load throughput, bytes / seconds / 1e9.", registry=r
+        )
+        self.adapter_loads = Counter(
+            p + "adapter_loads",
+            "Runtime LoRA adapter load attempts, by result (ok, refused, failed).",
+            ("result",),
+            registry=r,
+        )
+        self._http = Counter(
+            p + "http_requests",
+            "HTTP requests by route and status.",
+            ("path", "status"),
+            registry=r,
+        )
+
+    def finished(self, reason: str) -> None:
+        """Count one request that ended with ``reason``."""
+        self._success.labels(model_name=self.model_name, finished_reason=reason).inc()
+
+    def http_request(self, path: str, status: int) -> None:
+        """Count one HTTP request by route label and status."""
+        self._http.labels(path=path, status=str(status)).inc()
+
+    def record_load(self, stats: Any) -> None:
+        """Publish a model load's ``LoadStats`` (bytes, seconds, read seconds, GB/s)."""
+        self.load_seconds.set(float(getattr(stats, "seconds", 0.0)))
+        self.load_bytes.set(float(getattr(stats, "bytes", 0)))
+        self.load_read_seconds.set(float(getattr(stats, "read_seconds", 0.0)))
+        self.load_gb_per_s.set(float(getattr(stats, "gb_per_s", 0.0)))
+
+    def render(self) -> bytes:
+        """Every metric in Prometheus' text format."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)

@@ -1,10 +1,15 @@
 """Request bodies of the HTTP API (OpenAI's shapes), validated with pydantic.
 
 The models are strict about types (a string where a number belongs is a 400,
-not a silent conversion) and ignore fields they do not know, as OpenAI's own
-API does, so newer clients keep working. Value checks that need the model
-(context length, adapter names) happen in the routes; sampling values are
-checked again by ``SamplingParams``.
+not a silent conversion). Fields they do not know are ignored, as OpenAI's own
+API does, so newer clients keep working, except the OpenAI and vLLM fields
+this server knows it does not implement (tools, response formats, logit
+bias, guided decoding...): :func:`check_body` answers 400 naming the field
+unless its value means "not used", so a request never gets a 200 that
+silently ignored what it asked for. Text must be valid Unicode (JSON can
+carry lone UTF-16 surrogates, which no tokenizer accepts). Value checks that
+need the model (context length, adapter names) happen in the routes;
+sampling values are checked again by ``SamplingParams``.
 """
 
 from __future__ import annotations
@@ -22,9 +27,104 @@ __all__ = [
     "StreamOptions",
     "TokenizeRequest",
     "UnloadLoRARequest",
+    "check_body",
 ]
 
 _STRICT = ConfigDict(strict=True, extra="ignore")
+# Request bodies keep unknown fields so check_body can refuse the unimplemented ones.
+_REQUEST = ConfigDict(strict=True, extra="allow")
+
+# Fields of OpenAI's or vLLM's API that are not implemented here, with the values that
+# mean "not used" (client libraries send some of them by default).
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False),  # meaningless without tools
+    "response_format": (None, {"type": "text"}),
+    "logit_bias": (None, {}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+    "reasoning_effort": (None,),
+    "store": (None, False),
+    "service_tier": (None, "auto", "default"),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "structured_outputs": (None,),
+    "min_p": (None, 0, 0.0),
+    "min_tokens": (None, 0),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "prompt_logprobs": (None,),
+    "logits_processors": (None, []),
+    "allowed_token_ids": (None,),
+    "bad_words": (None, []),
+    "truncate_prompt_tokens": (None,),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "continue_final_message": (None, False),
+    "documents": (None,),
+    "chat_template_kwargs": (None, {}),
+    "mm_processor_kwargs": (None,),
+    "priority": (None, 0),
+    "echo": (None, False),  # chat's echo (completions implement their own check)
+}
+
+
+def check_body(body: BaseModel) -> None:
+    """Refuse lone surrogates anywhere in ``body`` and unimplemented fields that are used.
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    from tensorstream.server.errors import APIError
+
+    where = _lone_surrogate(body.model_dump(), "")
+    if where is not None:
+        raise APIError(
+            400,
+            f"{where} contains a lone UTF-16 surrogate, which is not valid Unicode text; "
+            "send surrogates only as pairs",
+            param=where.split("[")[0].split(".")[0] or None,
+        )
+    for name, value in (body.model_extra or {}).items():
+        accepted = _UNSUPPORTED.get(name)
+        if accepted is not None and not any(
+            value == ok and type(value) is type(ok) for ok in accepted
+        ):
+            raise APIError(
+                400,
+                f"{name!r} is not supported by this server; remove it (or send null)",
+                param=name,
+            )
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    if isinstance(value, str):
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "the request"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
+    elif isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 class StreamOptions(BaseModel):
@@ -37,7 +137,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = _STRICT
+    model_config = _REQUEST
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -47,7 +147,8 @@ class _SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    # torch seeds are 64-bit signed, as vLLM bounds them.
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
