@@ -4,6 +4,10 @@ adapter, a reference ``LLM``, and one real ``tensorstream serve`` process per se
 Server processes are expensive on a 2-core machine, so the local one is shared by
 every server test (session scope); tests that change it (adapters) clean up after
 themselves. The S3 server of the guide's command lives in its own test module.
+
+The shared server is configured the way a deployment migrated from vLLM would be:
+its API key and runtime-LoRA switch come from ``VLLM_API_KEY`` and
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``, and adapters load only from ``lora_roots``.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ SMALL_FILES = (
 API_KEY = "test-key-123"
 SERVED_NAME = "smol"
 GUIDE_BUCKET = "my-bucket"
+HEADER_TIMEOUT_S = 3
+CHAT_TEMPLATE_TIMEOUT_S = 3
 GUIDE_PREFIX = "vllm/facebook/opt-125m/v1"
 
 
@@ -102,11 +108,39 @@ def guide_bucket(s3_server, tensorized_dir: Path) -> str:
 
 
 @pytest.fixture(scope="session")
+def lora_roots(tmp_path_factory: pytest.TempPathFactory, s3_server, http_server) -> dict:
+    """The shared server's ``--lora-allowed-roots``: a local dir, an nginx prefix, an S3 prefix.
+
+    Keys: ``local`` (Path), ``http_dir`` (Path served by nginx), ``http`` (its URL),
+    ``bucket``, ``s3`` (``s3://bucket/allowed``).
+    """
+    local = tmp_path_factory.mktemp("lora-root")
+    http_dir = http_server.root / "lora-root"
+    http_dir.mkdir(parents=True, exist_ok=True)
+    bucket = s3_server.make_bucket("lora-root")
+    return {
+        "local": local,
+        "http_dir": http_dir,
+        "http": http_server.url("lora-root"),
+        "bucket": bucket,
+        "s3": f"s3://{bucket}/allowed",
+    }
+
+
+@pytest.fixture(scope="session")
 def local_server(
-    tmp_path_factory: pytest.TempPathFactory, tensorized_dir: Path, s3_env_vars: dict[str, str]
+    tmp_path_factory: pytest.TempPathFactory,
+    tensorized_dir: Path,
+    s3_env_vars: dict[str, str],
+    lora_roots: dict,
 ) -> Iterator[ServeProcess]:
     """``tensorstream serve <local tensorized dir>`` with an API key, LoRA and 4 seats."""
     log = tmp_path_factory.mktemp("serve-local") / "serve.log"
+    env = {
+        **s3_env_vars,  # adapters are also loaded from SeaweedFS
+        "VLLM_API_KEY": API_KEY,
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true",
+    }
     server = ServeProcess.start(
         [
             str(tensorized_dir),
@@ -123,10 +157,20 @@ def local_server(
             "cpu",
             "--shutdown-timeout",
             "20",
+            "--lora-allowed-roots",
+            str(lora_roots["local"]),
+            "--lora-allowed-roots",
+            f"{lora_roots['http']},{lora_roots['s3']}",
+            "--trust-request-chat-template",
+            "--chat-template-timeout",
+            str(CHAT_TEMPLATE_TIMEOUT_S),
+            "--request-header-timeout",
+            str(HEADER_TIMEOUT_S),
         ],
         log,
-        env=s3_env_vars,  # adapters are also loaded from SeaweedFS
+        env=env,
         api_key=API_KEY,
+        api_key_flag=False,  # the key reaches the server through VLLM_API_KEY
     )
     try:
         yield server

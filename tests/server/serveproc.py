@@ -59,16 +59,20 @@ class ServeProcess:
         *,
         env: dict[str, str] | None = None,
         api_key: str | None = None,
+        api_key_flag: bool = True,
         timeout: float = 240.0,
     ) -> ServeProcess:
         """Run ``tensorstream serve <args> --port P`` and wait until ``/health`` is 200.
+
+        ``api_key`` is what requests send; ``api_key_flag=False`` leaves ``--api-key``
+        off the command line (the key then comes from ``env``).
 
         Raises:
             RuntimeError: the server exited or did not become ready within ``timeout``.
         """
         (port,) = free_ports(1)
         cmd = [sys.executable, "-m", "tensorstream", "serve", *args, "--port", str(port)]
-        if api_key:
+        if api_key and api_key_flag:
             cmd += ["--api-key", api_key]
         child_env = dict(os.environ)
         child_env.update(env or {})
@@ -129,16 +133,25 @@ class ServeProcess:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return 0, {}
 
-    def metrics(self) -> dict[str, float]:
-        """``/metrics`` as ``{"name{labels}": value}``."""
+    def metrics_text(self) -> str:
+        """``/metrics`` as served (no API key: Prometheus scrapes it unauthenticated)."""
         req = urllib.request.Request(self.base_url + "/metrics")
         with urllib.request.urlopen(req, timeout=10) as resp:
-            text = resp.read().decode()
+            return resp.read().decode()
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` parsed by ``prometheus_client`` as ``{'name{k="v",...}': value}``.
+
+        Labels are sorted by name, e.g. ``vllm:request_success_total{finished_reason="abort",
+        model_name="smol"}``.
+        """
+        from prometheus_client.parser import text_string_to_metric_families
+
         values = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                values[key] = float(value)
+        for family in text_string_to_metric_families(self.metrics_text()):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
         return values
 
     def terminate(self, timeout: float = 60.0) -> int:

@@ -180,7 +180,7 @@ def test_tokenize_detokenize(local_server, reference_llm):
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
         ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user"}]}, 404, "nope"),
         ("/v1/unload_lora_adapter", {"lora_name": "never-loaded"}, 404, "never-loaded"),
-        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/dir"}, 404, "x"),
+        ("/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/no/such/dir"}, 403, "x"),
         ("/detokenize", {"tokens": [-1]}, 400, "vocabulary"),
     ],
 )
@@ -190,13 +190,14 @@ def test_bad_requests_get_openai_errors(local_server, path, body, status, needle
     error = payload["error"]
     assert needle in error["message"] or needle == error.get("param"), error
     assert {"message", "type", "param", "code"} <= set(error)
+    assert error["code"] == status  # vLLM's shape: the HTTP status as an int
 
 
 def test_malformed_json_and_auth(local_server, client):
     status, payload = local_server.request("POST", "/v1/completions", b"{not json")
     assert status == 400 and "error" in payload
     status, payload = local_server.request("POST", "/v1/completions", {"prompt": "a"}, auth=False)
-    assert status == 401 and payload["error"]["code"] == "invalid_api_key"
+    assert status == 401 and payload["error"]["code"] == 401
     status, _ = local_server.request(
         "GET", "/v1/models", None, headers={"Authorization": "Bearer wrong"}
     )
@@ -214,9 +215,8 @@ def test_malformed_json_and_auth(local_server, client):
 
 
 def test_disconnected_stream_is_aborted(local_server, client):
-    before = local_server.metrics().get(
-        'tensorstream_request_finished_total{finish_reason="abort"}', 0
-    )
+    aborts = 'vllm:request_success_total{finished_reason="abort",model_name="smol"}'
+    before = local_server.metrics().get(aborts, 0)
     stream = client.completions.create(
         model=SERVED_NAME,
         prompt="Tell me a very long story.",
@@ -232,10 +232,7 @@ def test_disconnected_stream_is_aborted(local_server, client):
 
     def aborted() -> bool:
         m = local_server.metrics()
-        return (
-            m.get('tensorstream_request_finished_total{finish_reason="abort"}', 0) > before
-            and m["tensorstream_num_requests_running"] == 0
-        )
+        return m.get(aborts, 0) > before and m['vllm:num_requests_running{model_name="smol"}'] == 0
 
     _wait_for(aborted, timeout=60, what="the abandoned request to be aborted")
 
@@ -278,8 +275,12 @@ def test_sixteen_concurrent_streams(local_server, reference_llm):
     def watch() -> None:
         while not done.is_set():
             m = local_server.metrics()
-            seen["running"] = max(seen["running"], m["tensorstream_num_requests_running"])
-            seen["waiting"] = max(seen["waiting"], m["tensorstream_num_requests_waiting"])
+            seen["running"] = max(
+                seen["running"], m['vllm:num_requests_running{model_name="smol"}']
+            )
+            seen["waiting"] = max(
+                seen["waiting"], m['vllm:num_requests_waiting{model_name="smol"}']
+            )
             time.sleep(0.05)
 
     def worker(i: int) -> None:
@@ -311,6 +312,6 @@ def test_sixteen_concurrent_streams(local_server, reference_llm):
     assert 1 <= seen["running"] <= 4
     assert seen["waiting"] >= 1
     m = local_server.metrics()
-    assert m["tensorstream_time_to_first_token_seconds_count"] >= 16
-    assert m["tensorstream_generation_tokens_total"] >= 16 * 12
+    assert m['vllm:time_to_first_token_seconds_count{model_name="smol"}'] >= 16
+    assert m['vllm:generation_tokens_total{model_name="smol"}'] >= 16 * 12
     assert m['tensorstream_http_requests_total{path="/v1/completions",status="200"}'] >= 16

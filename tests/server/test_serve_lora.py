@@ -14,15 +14,20 @@ GREEDY = dict(temperature=0, max_tokens=10)
 
 
 @pytest.fixture(scope="module")
-def adapter_sources(peft_adapter, s3_server, http_server, tmp_path_factory):
-    """The same adapter as a PEFT dir, tensorized on nginx, tensorized+encrypted in SeaweedFS."""
+def adapter_sources(peft_adapter, s3_server, lora_roots):
+    """The same adapter as a PEFT dir, tensorized on nginx, tensorized+encrypted in SeaweedFS,
+    each under one of the server's ``--lora-allowed-roots``."""
+    import shutil
+
     from tensorstream import StorageOptions
     from tensorstream.crypto.keyfile import write_keyfile
     from tensorstream.crypto.params import EncryptionParams
     from tensorstream.engine.lora import read_adapter, write_adapter
 
     adapter = read_adapter(str(peft_adapter))
-    http_dir = http_server.root / "serve-lora-adapter"
+    peft_dir = lora_roots["local"] / "peft"
+    shutil.copytree(peft_adapter, peft_dir, dirs_exist_ok=True)
+    http_dir = lora_roots["http_dir"] / "serve-lora-adapter"
     http_dir.mkdir(parents=True, exist_ok=True)
     write_adapter(adapter, str(http_dir))
     storage = StorageOptions(
@@ -30,15 +35,15 @@ def adapter_sources(peft_adapter, s3_server, http_server, tmp_path_factory):
         s3_secret_access_key=s3_server.secret_key,
         s3_endpoint=s3_server.endpoint,
     )
-    bucket = s3_server.make_bucket("serve-lora")
     key = EncryptionParams.random()
-    keyfile = tmp_path_factory.mktemp("lora-key") / "adapter.key"
+    keyfile = lora_roots["local"] / "adapter.key"
     write_keyfile(str(keyfile), key.key)
-    write_adapter(adapter, f"s3://{bucket}/adapters/enc", encryption=key, storage=storage)
+    s3_uri = f"{lora_roots['s3']}/enc"
+    write_adapter(adapter, s3_uri, encryption=key, storage=storage)
     return {
-        "peft": str(peft_adapter),
-        "http": http_server.url("serve-lora-adapter"),
-        "s3": f"s3://{bucket}/adapters/enc",
+        "peft": str(peft_dir),
+        "http": f"{lora_roots['http']}/serve-lora-adapter",
+        "s3": s3_uri,
         "keyfile": str(keyfile),
     }
 
