@@ -1,4 +1,4 @@
-"""The two load paths: CPU (page-cache views or fresh tensors) and staged (devices).
+"""The two load paths: CPU (page-cache views or arena tensors) and staged (devices).
 
 Both take their inputs explicitly and report each finished tensor to a
 ``RecordPipeline``; neither holds state between calls.
@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tensorstream.deserialize.arena import ArenaAllocator
 from tensorstream.deserialize.fetch import Completion, run_readers
 from tensorstream.deserialize.index import TensorRecord
 from tensorstream.deserialize.pipeline import RecordPipeline
@@ -51,24 +52,51 @@ def load_cpu(
     readers: int,
     pipeline: RecordPipeline,
     fmap: FileMap | None,
-    verify: bool,
+    verify: bool | str,
     progress: Callable[[int], None],
 ) -> None:
-    """Load into CPU memory: views of ``fmap`` where possible, fresh tensors otherwise."""
-    if fmap is not None and pipeline.decryptor is not None:
-        _decrypt_from_map(records, pipeline, fmap, verify, progress)
-        return
+    """Load into CPU memory: views of ``fmap`` where possible, arena tensors otherwise.
+
+    With ``verify``, every tensor is read into arena memory and the hash is checked
+    on that copy, so what the caller gets is exactly what was verified: a later
+    rewrite or truncation of the file cannot change (or SIGBUS) the tensors.
+    """
+    alloc = ArenaAllocator()
+    try:
+        if fmap is not None and pipeline.decryptor is not None:
+            _decrypt_from_map(records, pipeline, fmap, verify, progress, alloc)
+            return
+        if verify:
+            fmap = None  # copies, not views: the verified bytes must be the returned ones
+        _load_cpu(source, records, readers, pipeline, fmap, verify, progress, alloc)
+    finally:
+        alloc.close()
+
+
+def _load_cpu(
+    source: Source,
+    records: Sequence[TensorRecord],
+    readers: int,
+    pipeline: RecordPipeline,
+    fmap: FileMap | None,
+    verify: bool | str,
+    progress: Callable[[int], None],
+    alloc: ArenaAllocator,
+) -> None:
+    viewable = [fmap is not None and not r.is_meta and fmap.can_view(r) for r in records]
+    alloc.reserve([r.data_length for r, v in zip(records, viewable, strict=True) if not v])
     views: dict[int, torch.Tensor] = {}
     dests: list[torch.Tensor | None] = []
     headers: list[bytearray | None] = []
     for i, r in enumerate(records):
         if r.is_meta:
             dests.append(torch.zeros(r.shape, dtype=r.dtype))
-        elif fmap is not None and fmap.can_view(r):
+        elif viewable[i]:
+            assert fmap is not None
             views[i] = fmap.tensor(r)
             dests.append(None)
         else:
-            dests.append(empty_for(r, torch.device("cpu")))
+            dests.append(alloc.empty(r.dtype, r.shape))
         headers.append(bytearray(r.header_size) if r.header_size and fmap is None else None)
     data_views = [byte_view(d) if d is not None else None for d in dests]
 
@@ -100,18 +128,11 @@ def load_cpu(
     to_read = [i for i, r in enumerate(records) if data_views[i] is not None and r.data_length]
     if fmap is not None and records and not to_read:
         # Every tensor is a view of the page cache: nothing to read, only read-ahead to
-        # ask for, then the per-tensor work. Without hashing that is a few header checks,
-        # cheaper inline than on threads. With hashing, biggest first, so the largest
-        # tensor (often the last one, lm_head) does not finish alone on one core.
+        # ask for, then the per-tensor header checks, cheaper inline than on threads.
         start, end = records[0].header_offset, max(r.end for r in records)
         fmap.prefetch(start, end - start)
-        order = sorted(range(len(records)), key=lambda i: -records[i].data_length)
-        if verify:
-            for future in [cpu_pool().submit(on_complete, i) for i in order]:
-                future.result()
-        else:
-            for i in order:
-                on_complete(i)
+        for i in sorted(range(len(records)), key=lambda i: -records[i].data_length):
+            on_complete(i)
         progress(sum(r.data_length for r in records))
         return
 
@@ -127,10 +148,11 @@ def _decrypt_from_map(
     records: Sequence[TensorRecord],
     pipeline: RecordPipeline,
     fmap: FileMap,
-    verify: bool,
+    verify: bool | str,
     progress: Callable[[int], None],
+    alloc: ArenaAllocator,
 ) -> None:
-    """Decrypt each tensor out of the file mapping into a fresh tensor.
+    """Decrypt each tensor out of the file mapping into arena memory.
 
     libsodium reads the ciphertext from the page cache and writes the plaintext once,
     where reading into the tensor and then decrypting it in place touches every byte
@@ -143,14 +165,23 @@ def _decrypt_from_map(
         fmap.prefetch(start, end - start)  # read-ahead when the file is not cached
 
     failed = threading.Event()
+    order = sorted(records, key=lambda r: -r.data_length)
+    # Carved here, on one thread, in the order the pool takes them.
+    alloc.reserve([r.data_length for r in order if not r.is_meta])
+    dests = {
+        r.header_offset: torch.zeros(r.shape, dtype=r.dtype)
+        if r.is_meta
+        else alloc.empty(r.dtype, r.shape)
+        for r in order
+    }
 
     def one(r: TensorRecord) -> None:
         if failed.is_set():  # a wrong key fails every tensor: stop at the first
             return
+        dest = dests[r.header_offset]
         if r.is_meta:
-            pipeline.finish(r, torch.zeros(r.shape, dtype=r.dtype))
+            pipeline.finish(r, dest)
             return
-        dest = empty_for(r, torch.device("cpu"))
         header = fmap.bytes_at(r.header_offset, r.header_size) if r.header_size else None
         ciphertext = fmap.bytes_at(r.data_offset, r.data_length) if r.data_length else None
         try:
@@ -163,7 +194,6 @@ def _decrypt_from_map(
         pipeline.finish(r, dest)
         progress(r.data_length)
 
-    order = sorted(records, key=lambda r: -r.data_length)
     futures = [(r, cpu_pool().submit(one, r)) for r in order]
     errors: list[tuple[int, BaseException]] = []
     for r, future in futures:  # all finish before raising: none may write into freed memory

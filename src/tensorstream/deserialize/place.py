@@ -1,5 +1,8 @@
 """Where loaded bytes live: a private map of the page cache, fresh CPU tensors, or
-device tensors filled through pinned staging buffers with overlapping copies."""
+device tensors filled through pinned staging buffers with overlapping copies.
+
+Fresh CPU memory for CPU loads comes from ``arena.ArenaAllocator``; ``empty_for``
+stays the allocator of device loads (and their pinned staging keeps its own)."""
 
 from __future__ import annotations
 
@@ -33,7 +36,9 @@ class FileMap:
     """A copy-on-write private mapping of a local file, shared by the tensors viewing it.
 
     Tensors are views of the page cache: no fresh memory, no copy. Writes to them stay
-    private to this process. The mapping lives as long as any tensor uses it.
+    private to this process. Each tensor's storage covers exactly its own bytes (so
+    ``torch.save`` of one tensor writes only that tensor) and holds a reference to the
+    mapping, which lives as long as any tensor uses it.
     """
 
     def __init__(self, source: Source) -> None:
@@ -44,7 +49,6 @@ class FileMap:
         )
         if fd is not fileno:
             os.close(fd)
-        self._base = torch.frombuffer(self._map, dtype=torch.uint8)
 
     @staticmethod
     def can_view(record: TensorRecord) -> bool:
@@ -52,7 +56,16 @@ class FileMap:
         return record.data_offset % max(1, record.dtype.itemsize) == 0
 
     def tensor(self, record: TensorRecord) -> torch.Tensor:
-        raw = self._base[record.data_offset : record.end]
+        """A zero-copy tensor over the record's bytes, with a storage of exactly them.
+
+        ``frombuffer`` with ``offset``/``count`` makes a storage that starts and ends at
+        the tensor (slicing one whole-file tensor would share the file-sized storage).
+        """
+        if not record.data_length:
+            return torch.empty(record.shape, dtype=record.dtype)
+        raw = torch.frombuffer(
+            self._map, dtype=torch.uint8, count=record.data_length, offset=record.data_offset
+        )
         return raw.view(record.dtype).reshape(record.shape)
 
     def bytes_at(self, offset: int, length: int) -> memoryview:

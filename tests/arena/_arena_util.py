@@ -1,0 +1,66 @@
+"""Shared helpers for tests/arena: files written by both writers, run-in-a-child helper."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import tensorizer
+
+from tensorstream import TensorSerializer
+
+# The dtype matrix lives with the core tests; reuse it rather than repeat it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
+
+from _core_util import (  # noqa: E402
+    Net,
+    all_tensors,
+    assert_same,
+    dtype_matrix,
+    raw_bytes,
+    tensorizer_readable,
+)
+
+__all__ = [
+    "Net",
+    "all_tensors",
+    "assert_same",
+    "dtype_matrix",
+    "raw_bytes",
+    "run_child",
+    "tensorizer_readable",
+    "write_ours",
+    "write_theirs",
+]
+
+
+def write_ours(path: Path, obj: Any, module: bool = False, **kw: Any) -> Path:
+    with TensorSerializer(path, **kw) as s:
+        (s.write_module if module else s.write_state_dict)(obj)
+    return path
+
+
+def write_theirs(path: Path, obj: Any, module: bool = False) -> Path:
+    """Written by the real tensorizer 2.12.1: data at whatever offset its header ends."""
+    s = tensorizer.TensorSerializer(str(path))
+    (s.write_module if module else s.write_state_dict)(obj)
+    s.close()
+    return path
+
+
+def run_child(code: str, *args: str, env: dict[str, str] | None = None) -> str:
+    """Run ``code`` in a fresh interpreter (a SIGBUS there cannot kill pytest)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, (
+        f"child exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    )
+    return proc.stdout
