@@ -42,12 +42,12 @@ _installed: Callable[[int, FrameType | None], None] | None = None
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    previous = _previous  # before the aborts: the last one uninstalls and forgets it
     for sink in list(_open):
         try:
             sink.abort()
         except Exception as exc:  # noqa: BLE001 - keep aborting the others, then die
             _log.warning("could not abort %r on SIGTERM: %s", sink, type(exc).__name__)
-    previous = _previous
     _uninstall()
     if callable(previous):
         previous(signum, frame)
