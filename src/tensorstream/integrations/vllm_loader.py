@@ -1,0 +1,231 @@
+"""The vLLM model loader behind ``--load-format tensorstream`` (imports vLLM; plugin-only).
+
+Imported only by :func:`tensorstream.integrations.vllm.register`, inside a vLLM
+process. vLLM's own ``BaseModelLoader.load_model`` builds the model, calls
+:meth:`TensorstreamModelLoader.load_weights`, then runs the post-load processing
+(``process_weights_after_loading``: kernel repacking, quantization) — the step
+vLLM's tensorizer loader skips (vLLM #55198).
+
+Weights are read by ``TensorDeserializer`` (parallel ranged readers, local /
+``http(s)://`` / ``s3://``, hash check, decryption) in vLLM's dtype, onto the
+model's device, and handed to the model's own ``load_weights``, so fused
+``qkv_proj``/``gate_up_proj`` and vLLM's tensor-parallel sharding apply. A file
+written by vLLM's ``tensorize_vllm_model.py`` (its marker tensor present) holds
+vLLM's own parameter names, already sharded per rank: those tensors are copied
+into the parameters of the same name.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.config import ModelConfig
+from vllm.logger import init_logger
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+from tensorstream.errors import ConfigError, FormatError, TensorStreamError
+from tensorstream.formats.tensorizer import TENSOR_TYPE_BUFFER
+from tensorstream.integrations.vllm_options import (
+    VllmLoadOptions,
+    first_existing,
+    weights_candidates,
+)
+
+__all__ = ["TensorstreamModelLoader"]
+
+logger = init_logger(__name__)
+
+#: Written by vLLM's tensorize_vllm_model.py on the root module.
+VLLM_MARKER = ".vllm_tensorized_marker"
+#: Non-persistent rotary buffers of Hugging Face models (vLLM computes its own).
+_ROTARY = ("rotary_emb.", "rotary_pos_emb.")
+
+
+def _tp_rank_and_size() -> tuple[int, int]:
+    from vllm.distributed import (
+        get_tensor_model_parallel_rank,
+        get_tensor_model_parallel_world_size,
+    )
+
+    try:
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except (AssertionError, RuntimeError):  # no parallel groups (a bare loader call)
+        return 0, 1
+
+
+class TensorstreamModelLoader(BaseModelLoader):
+    """``--load-format tensorstream``: weights streamed by tensorstream's deserializer."""
+
+    def __init__(self, load_config: Any) -> None:
+        super().__init__(load_config)
+        # Parsed now, so a bad option stops vLLM before the model is built.
+        self.options = VllmLoadOptions.from_extra(load_config.model_loader_extra_config)
+
+    def weights_uri(self, model_config: ModelConfig) -> str:
+        """The file this rank reads (the first of :func:`weights_candidates` that exists)."""
+        rank, size = _tp_rank_and_size()
+        candidates = weights_candidates(self.options, str(model_config.model), rank, size)
+        return first_existing(candidates, self.options.storage)
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Check that the weights are reachable (nothing is downloaded ahead of loading)."""
+        self.weights_uri(model_config)
+
+    def _deserializer(self, uri: str, device: torch.device, dtype: torch.dtype) -> Any:
+        from tensorstream import TensorDeserializer
+
+        kwargs: dict[str, Any] = {
+            "device": device,
+            "dtype": dtype,
+            "num_readers": self.options.num_readers,
+            "verify_hash": self.options.verify_hash,
+        }
+        if self.options.storage is not None:
+            kwargs["storage"] = self.options.storage
+        if self.options.encryption_keyfile:
+            from tensorstream.crypto.keyfile import read_keyfile
+            from tensorstream.crypto.params import DecryptionParams
+
+            key = read_keyfile(self.options.encryption_keyfile, self.options.storage)
+            kwargs["encryption"] = DecryptionParams.from_key(key)
+        kwargs.update(self.options.deserialization_kwargs)
+        return TensorDeserializer(uri, **kwargs)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        """Stream the weights into ``model`` (vLLM runs post-load processing afterwards).
+
+        Raises:
+            SourceNotFoundError: no weights file where the options point.
+            CryptoError: the file is encrypted and the key is missing or wrong.
+            FormatError: a tensor the model does not have, or of the wrong shape.
+            SourceError: the storage failed.
+        """
+        uri = self.weights_uri(model_config)
+        param = next(model.parameters(), None)
+        device = param.device if param is not None else torch.device("cpu")
+        start = time.perf_counter()
+        with self._deserializer(uri, device, model_config.dtype) as deserializer:
+            read_s = time.perf_counter() - start
+            nbytes = int(getattr(deserializer, "total_tensor_bytes", 0) or 0)
+            named = list(_named_tensors(deserializer))
+            if any(name == VLLM_MARKER for name, _, _ in named):
+                loaded = _copy_vllm_tensorized(model, named, uri)
+            else:
+                loaded = _feed_load_weights(model, named, uri)
+        total = time.perf_counter() - start
+        # vLLM's default loader logs the same sentence; benchmarks read both alike.
+        logger.info(
+            "Loading weights took %.2f seconds (tensorstream: %d tensors, %.3f GB from %s; "
+            "read %.2f s, %.2f GB/s)",
+            total,
+            loaded,
+            nbytes / 1e9,
+            uri,
+            read_s,
+            nbytes / read_s / 1e9 if read_s > 0 else float("inf"),
+        )
+
+
+def _named_tensors(deserializer: Any) -> Any:
+    """``(name, tensor_type, tensor)`` for every tensor, in file order."""
+    index = getattr(deserializer, "index", None)
+    records = getattr(index, "records", None)
+    if records is None:  # a sharded safetensors checkpoint: plain names, no types
+        for name, tensor in deserializer.items():
+            yield str(name), -1, tensor
+        return
+    for record in records:
+        yield record.name, record.tensor_type, deserializer[record.key]
+
+
+def _model_names(model: nn.Module) -> set[str]:
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    names.update(name for name, _ in model.named_buffers(remove_duplicate=False))
+    return names
+
+
+def _skippable(name: str, tensor_type: int, known: set[str]) -> bool:
+    """A Hugging Face buffer the vLLM model computes itself (``rotary_emb.inv_freq``...)."""
+    if name in known:
+        return False
+    return tensor_type == TENSOR_TYPE_BUFFER or any(part in name for part in _ROTARY)
+
+
+def _feed_load_weights(model: nn.Module, named: list, uri: str) -> int:
+    """Hand the tensors to ``model.load_weights`` (vLLM's name mapping, fusing and sharding)."""
+    known = _model_names(model)
+    skipped: list[str] = []
+    current: dict[str, Any] = {}
+
+    def weights() -> Any:
+        for name, tensor_type, tensor in named:
+            if _skippable(name, tensor_type, known):
+                skipped.append(name)
+                continue
+            current["name"], current["shape"] = name, tuple(tensor.shape)
+            yield name, tensor
+
+    try:
+        model.load_weights(weights())
+    except TensorStreamError:
+        raise
+    except (ValueError, KeyError, AssertionError, RuntimeError, IndexError) as exc:
+        name = current.get("name", "?")
+        raise FormatError(
+            f"{uri}: tensor {name!r} (shape {list(current.get('shape', ()))}) does not fit "
+            f"the vLLM model {type(model).__name__}: {_short(exc)}. The file was written "
+            "for a different model or configuration; serialize this model again "
+            "(`tensorstream tensorize`) or point --model at the matching config"
+        ) from exc
+    if skipped:
+        logger.info(
+            "tensorstream: skipped %d buffer(s) the vLLM model computes itself: %s",
+            len(skipped),
+            ", ".join(skipped[:4]) + (" ..." if len(skipped) > 4 else ""),
+        )
+    return len(named) - len(skipped)
+
+
+def _copy_vllm_tensorized(model: nn.Module, named: list, uri: str) -> int:
+    """Copy a vLLM-tensorized file (vLLM's names, this rank's shards) into the parameters."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    params.update(dict(model.named_buffers(remove_duplicate=False)))
+    count = 0
+    for name, _, tensor in named:
+        if name == VLLM_MARKER:
+            continue
+        target = params.get(name)
+        if target is None:
+            if any(part in name for part in _ROTARY):
+                continue
+            raise FormatError(
+                f"{uri}: tensor {name!r} is not a parameter of the vLLM model "
+                f"{type(model).__name__}; the file was tensorized from another model or vLLM "
+                "version. Serialize this model again (`tensorstream tensorize`)"
+            )
+        if tuple(target.shape) != tuple(tensor.shape):
+            hint = (
+                " It is empty: vLLM-CPU serializes weights after repacking them for its "
+                "kernels, which leaves the layers' weight tensors empty (vLLM #55198); "
+                "serialize with `tensorstream tensorize` instead"
+                if tensor.numel() == 0
+                else " Was it written with another --tensor-parallel-size?"
+            )
+            raise FormatError(
+                f"{uri}: tensor {name!r} has shape {list(tensor.shape)}, the vLLM model's "
+                f"parameter has {list(target.shape)}.{hint}"
+            )
+        with torch.no_grad():
+            target.data.copy_(tensor)
+        count += 1
+    if count == 0:
+        raise ConfigError(f"{uri}: the vLLM-tensorized file holds no tensors of the model")
+    return count
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
