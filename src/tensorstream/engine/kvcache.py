@@ -76,8 +76,10 @@ class KVCache:
         shape = (new_rows, self.kv_heads, new_length, self.head_dim)
         for slabs in (self.keys, self.values):
             for layer in range(self.layers):
-                fresh = torch.empty(shape, dtype=self.dtype, device=self.device)
-                if slabs:
+                # Zeros, not empty: masked keys get weight 0, but 0 * NaN garbage in a
+                # value slot would still be NaN.
+                fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                if layer < len(slabs):
                     old = slabs[layer]
                     fresh[: old.shape[0], :, : old.shape[2]] = old
                     slabs[layer] = fresh

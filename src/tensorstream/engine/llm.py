@@ -9,12 +9,11 @@ their requests to that core and step it until every request is done.
 
 from __future__ import annotations
 
-import json
+import inspect
 import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,24 @@ import torch
 
 from tensorstream.engine.build import build_model, import_model_code, resolve_dtype
 from tensorstream.engine.core import EngineCore
+from tensorstream.engine.load_stats import LoadStats
 from tensorstream.engine.loaders import LOAD_FORMATS, LoadRequest, detect_format, get_loader
+from tensorstream.engine.loaders.tensorizer_config import storage_from_extra
+from tensorstream.engine.model_files import (
+    config_json,
+    context_length,
+    eos_ids,
+    load_config,
+    load_tokenizer,
+)
+from tensorstream.engine.models.select import choose_model_impl, fill_native, prepare_native
+from tensorstream.engine.native_core import NativeEngineCore
 from tensorstream.engine.outputs import RequestOutput
 from tensorstream.engine.resolve import ModelLocation, resolve_model
 from tensorstream.engine.sampling import SamplingParams
-from tensorstream.errors import ConfigError, SourceNotFoundError
+from tensorstream.engine.threads import apply_threads
+from tensorstream.engine.vllm_args import check_llm_kwargs
+from tensorstream.errors import ConfigError, KeyRequiredError
 from tensorstream.utils.jsonarg import json_object
 
 __all__ = ["LLM", "LoadStats"]
@@ -34,35 +46,6 @@ __all__ = ["LLM", "LoadStats"]
 logger = logging.getLogger(__name__)
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
-
-
-@dataclass(frozen=True)
-class LoadStats:
-    """How the last weight load went.
-
-    Attributes:
-        load_format: the loader used ("safetensors", "tensorizer").
-        uri: where the weights were read from.
-        bytes: tensor bytes read.
-        read_seconds: time to read every tensor (storage -> memory).
-        build_seconds: time to construct the model on meta and adopt the tensors.
-        seconds: ``read_seconds + build_seconds``.
-        gb_per_s: ``bytes / read_seconds / 1e9``, the storage-side throughput.
-    """
-
-    load_format: str
-    uri: str
-    bytes: int
-    read_seconds: float
-    build_seconds: float
-
-    @property
-    def seconds(self) -> float:
-        return self.read_seconds + self.build_seconds
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes / self.read_seconds / 1e9 if self.read_seconds > 0 else float("inf")
 
 
 class LLM:
@@ -87,6 +70,11 @@ class LLM:
         max_model_len: context length; default the config's ``max_position_embeddings``.
         trust_remote_code: allow model code from the model directory.
         revision: Hub revision for Hub ids.
+        model_impl: "auto" (the engine's own model code for Llama-family architectures,
+            transformers' for the rest), "native" (require it) or "transformers" (force
+            the fallback, for debugging).
+        max_num_batched_tokens: prompt tokens the native engine prefills per step (the
+            chunk size; default 512), so long prompts do not stall running requests.
 
     Raises:
         ConfigError: bad options (unknown load_format, dtype, extra config keys).
@@ -113,13 +101,27 @@ class LLM:
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
         revision: str | None = None,
+        model_impl: str = "auto",
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int | None = None,
+        cpu_threads: int | None = None,
+        chat_template: str | os.PathLike[str] | None = None,
+        **vllm_kwargs: Any,
     ) -> None:
+        # vLLM's other EngineArgs: checked, or ignored with one WARNING each (vllm_args.py).
+        check_llm_kwargs(vllm_kwargs, _OWN_PARAMETERS)
+        if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
+            raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
+        self.max_num_seqs = max_num_seqs
+        self.cpu_threads = apply_threads(cpu_threads)
         load_format = str(load_format).strip().lower()
         if load_format not in LOAD_FORMATS:
             raise ConfigError(
                 f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}"
             )
         extra = _parse_extra(model_loader_extra_config)
+        # vLLM's name for the adapter written beside the model; the loaders never see it.
+        self.lora_dir: str | None = _pop_lora_dir(extra)
         for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -129,44 +131,65 @@ class LLM:
         self.device = torch.device(device) if device is not None else _default_device()
 
         self.location: ModelLocation = resolve_model(
-            model, revision=revision, storage=_storage_from_extra(extra)
+            model, revision=revision, storage=storage_from_extra(extra)
         )
         load_format = load_format if load_format != "auto" else detect_format(self.location, extra)
         loader = get_loader(load_format)
         # Start reading weights now, while transformers is imported and the config and
         # tokenizer are parsed: that import alone takes seconds, long enough to stream a
         # good part of a model from S3. The dtype comes from config.json, no import needed.
-        early_dtype = resolve_dtype(dtype, _config_json(self.location.files_dir))
+        early_dtype = resolve_dtype(dtype, config_json(self.location.files_dir))
+        load_started = time.perf_counter()
         pending = _background(
             _timed, loader.load, LoadRequest(self.location, self.device, early_dtype, extra)
         )
         try:
-            self.config = _load_config(self.location.files_dir, trust_remote_code)
-            self.tokenizer = _load_tokenizer(
-                tokenizer or self.location.files_dir, trust_remote_code
+            # Native Llama-family code (no transformers import) or the transformers fallback;
+            # the native model is built on meta while the weights stream in.
+            self.model_impl = choose_model_impl(
+                model_impl,
+                self.location.files_dir,
+                enable_lora=self.enable_lora,
+                tokenizer_dir=tokenizer or self.location.files_dir,
             )
+            if self.model_impl == "native":
+                self.config, self.tokenizer, shell = prepare_native(
+                    self.location.files_dir, tokenizer or self.location.files_dir, self.device
+                )
+            else:
+                self.config = load_config(self.location.files_dir, trust_remote_code)
+                self.tokenizer = load_tokenizer(
+                    tokenizer or self.location.files_dir, trust_remote_code
+                )
+                import_model_code(self.config)
             self.dtype = resolve_dtype(dtype, self.config)
             self.load_format = load_format
-            import_model_code(self.config)
-            weights, read_seconds = pending.result()
+            if chat_template is not None:
+                self.tokenizer.chat_template = _template_text(chat_template)
+            weights, read_seconds = _keyed(pending.result)
         except BaseException:
             _discard(pending)
             raise
         if self.dtype != early_dtype:  # a config that only transformers resolves differently
             weights.close()
-            weights, read_seconds = _timed(
-                loader.load, LoadRequest(self.location, self.device, self.dtype, extra)
+            weights, read_seconds = _keyed(
+                _timed, loader.load, LoadRequest(self.location, self.device, self.dtype, extra)
             )
         build_started = time.perf_counter()
         try:
-            self.model = build_model(
-                self.config,
-                weights,
-                dtype=self.dtype,
-                device=self.device,
-                trust_remote_code=trust_remote_code,
-                source=weights.uri,
-            )
+            if self.model_impl == "native":
+                self.model = fill_native(
+                    shell, weights, dtype=self.dtype, device=self.device, source=weights.uri
+                )
+            else:
+                self.model = build_model(
+                    self.config,
+                    weights,
+                    dtype=self.dtype,
+                    device=self.device,
+                    trust_remote_code=trust_remote_code,
+                    source=weights.uri,
+                )
         finally:
             weights.close()
         self.load_stats = LoadStats(
@@ -175,28 +198,38 @@ class LLM:
             weights.nbytes,
             read_seconds,
             time.perf_counter() - build_started,
+            mapped_bytes=weights.mapped_bytes,
+            usable_seconds=time.perf_counter() - load_started,
         )
-        stats = self.load_stats
         logger.info(
-            "loaded %s (%s, %.1f MB) in %.2f s: read %.2f s (%.2f GB/s), build %.2f s",
+            "loaded %s (%s) in %.2f s; %s model code, %d CPU threads",
             self.location.name,
-            stats.load_format,
-            stats.bytes / 1e6,
-            stats.seconds,
-            stats.read_seconds,
-            stats.gb_per_s,
-            stats.build_seconds,
+            self.load_stats.describe(),
+            self.load_stats.seconds,
+            self.model_impl,
+            self.cpu_threads,
         )
-        self.max_model_len = _context_length(self.config, max_model_len)
+        self.max_model_len = context_length(self.config, max_model_len)
         self.lora_manager = self._lora_manager(extra) if self.enable_lora else None
-        self.engine = EngineCore(
-            self.model,
-            self.tokenizer,
-            max_model_len=self.max_model_len,
-            eos_token_ids=_eos_ids(self.location.files_dir, self.config, self.tokenizer),
-            seed=seed,
-            lora_manager=self.lora_manager,
-        )
+        eos = eos_ids(self.location.files_dir, self.config, self.tokenizer)
+        if self.model_impl == "native":
+            self.engine = NativeEngineCore(
+                self.model,
+                self.tokenizer,
+                max_model_len=self.max_model_len,
+                eos_token_ids=eos,
+                seed=seed,
+                max_num_batched_tokens=max_num_batched_tokens or 512,
+            )
+        else:
+            self.engine = EngineCore(
+                self.model,
+                self.tokenizer,
+                max_model_len=self.max_model_len,
+                eos_token_ids=eos,
+                seed=seed,
+                lora_manager=self.lora_manager,
+            )
 
     def _lora_manager(self, extra: Mapping[str, Any]) -> Any:
         from tensorstream.engine.lora import AdapterOptions, LoRAManager
@@ -234,6 +267,16 @@ class LLM:
     def list_loras(self) -> set[int]:
         """Ids of the loaded adapters."""
         return self.lora_manager.list() if self.lora_manager is not None else set()
+
+    def _beside_model(self, lora_request: Any) -> Any:
+        """A request without its own tensorizer options reads the model's ``lora_dir``."""
+        if lora_request is None or not self.lora_dir:
+            return lora_request
+        if getattr(lora_request, "tensorizer_config_dict", None):
+            return lora_request
+        import dataclasses
+
+        return dataclasses.replace(lora_request, tensorizer_config_dict={"lora_dir": self.lora_dir})
 
     def _require_lora(self) -> None:
         if self.lora_manager is None:
@@ -353,6 +396,7 @@ class LLM:
                 )
         else:
             loras = [lora_request] * len(encoded)
+        loras = [self._beside_model(lora) for lora in loras]
         if sampling_params is None:
             params_list = [SamplingParams()] * len(encoded)
         elif isinstance(sampling_params, SamplingParams):
@@ -366,10 +410,17 @@ class LLM:
         ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         bar = _progress(len(encoded)) if use_tqdm else None
+        pending = list(zip(encoded, params_list, loras, strict=True))
+        pending.reverse()
+        limit = self.max_num_seqs or len(pending)
         try:
-            for (text, tokens), params, lora in zip(encoded, params_list, loras, strict=True):
-                ids.append(self.engine.add_request(tokens, params, prompt=text, lora_request=lora))
-            while len(finished) < len(ids):
+            while pending or len(finished) < len(ids):
+                # At most max_num_seqs requests run at once, as in vLLM.
+                while pending and len(ids) - len(finished) < limit:
+                    (text, tokens), params, lora = pending.pop()
+                    ids.append(
+                        self.engine.add_request(tokens, params, prompt=text, lora_request=lora)
+                    )
                 for out in self.engine.step():
                     if out.finished:
                         finished[out.request_id] = out
@@ -389,35 +440,49 @@ def _default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _storage_from_extra(extra: Mapping[str, Any]) -> Any:
-    """``StorageOptions`` from the S3 keys of the extra config (flat or nested); None if absent."""
-    nested = extra.get("tensorizer_config")
-    flat = {**extra, **(nested if isinstance(nested, Mapping) else {})}
-    keys = ("s3_access_key_id", "s3_secret_access_key", "s3_endpoint")
-    values = {k: flat[k] for k in keys if flat.get(k)}
-    if not values:
-        return None
-    from tensorstream.sources.base import StorageOptions
-
-    return StorageOptions(**values)
-
-
 def _parse_extra(extra: Mapping[str, Any] | str | None) -> dict[str, Any]:
     return json_object(extra, "model_loader_extra_config")
 
 
-def _config_json(files_dir: Path) -> Any:
-    """config.json as attributes (enough for ``resolve_dtype``), without transformers."""
-    from types import SimpleNamespace
+def _pop_lora_dir(extra: dict[str, Any]) -> str | None:
+    """Remove ``lora_dir`` (flat or in ``tensorizer_config``) from ``extra``; return it."""
+    lora_dir = extra.pop("lora_dir", None)
+    nested = extra.get("tensorizer_config")
+    if isinstance(nested, Mapping) and "lora_dir" in nested:
+        nested = dict(nested)
+        lora_dir = nested.pop("lora_dir") or lora_dir
+        extra["tensorizer_config"] = nested
+    return os.fspath(lora_dir) if lora_dir else None
 
+
+def _template_text(template: str | os.PathLike[str]) -> str:
+    """A chat template given as a file path (as vLLM's ``chat_template``) or as the text."""
+    path = Path(os.fspath(template)).expanduser()
     try:
-        data = json.loads((Path(files_dir) / "config.json").read_text())
-    except (OSError, ValueError):
-        data = {}
-    return SimpleNamespace(
-        dtype=data.get("dtype") if isinstance(data, dict) else None,
-        torch_dtype=data.get("torch_dtype") if isinstance(data, dict) else None,
+        if path.is_file():
+            return path.read_text()
+    except OSError as exc:  # a long template string is not a path
+        if not isinstance(template, str):
+            raise ConfigError(f"cannot read chat template {path}: {exc}") from exc
+    if isinstance(template, str) and ("{%" in template or "{{" in template):
+        return template
+    raise ConfigError(
+        f"chat_template {os.fspath(template)!r} is neither a file nor a Jinja template; "
+        "give the path of a .jinja file or the template text"
     )
+
+
+def _keyed(fn: Any, *args: Any) -> Any:
+    """``fn(*args)``, telling ``LLM`` users how to give the key of an encrypted model."""
+    try:
+        return fn(*args)
+    except KeyRequiredError as exc:
+        raise KeyRequiredError(
+            f"{exc}; give the key file: LLM(..., model_loader_extra_config="
+            "{'encryption_keyfile': '/path/to/key'}), or a passphrase: "
+            "model_loader_extra_config={'deserialization_kwargs': "
+            "{'encryption': DecryptionParams.from_string(passphrase)}}"
+        ) from exc
 
 
 def _background(fn: Any, *args: Any) -> Any:
@@ -452,73 +517,6 @@ def _discard(pending: Any) -> None:
         pass
 
 
-def _load_config(files_dir: Path, trust_remote_code: bool) -> Any:
-    if not (files_dir / "config.json").is_file():
-        raise SourceNotFoundError(
-            f"no config.json in {files_dir}; a model directory needs the Hugging Face config "
-            "(serialize with the config and tokenizer files beside model.tensors)"
-        )
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(files_dir, trust_remote_code=trust_remote_code)
-    except (ValueError, OSError, KeyError) as exc:
-        raise ConfigError(f"cannot read {files_dir / 'config.json'}: {exc}") from exc
-
-
-def _load_tokenizer(where: str | os.PathLike[str], trust_remote_code: bool) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            os.fspath(where), trust_remote_code=trust_remote_code
-        )
-    except (ValueError, OSError, KeyError) as exc:
-        raise ConfigError(
-            f"cannot load a tokenizer from {where}: {exc}; put tokenizer files beside the model "
-            "or pass tokenizer=<directory>"
-        ) from exc
-    return tokenizer
-
-
-def _context_length(config: Any, requested: int | None) -> int:
-    declared = None
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        declared = getattr(config, key, None)
-        if isinstance(declared, int) and declared > 0:
-            break
-    if requested is None:
-        return declared or 2048
-    if not isinstance(requested, int) or requested < 2:
-        raise ConfigError(f"max_model_len must be an integer >= 2, got {requested!r}")
-    if declared and requested > declared:
-        raise ConfigError(
-            f"max_model_len={requested} exceeds the model's {declared} positions; use at most {declared}"
-        )
-    return requested
-
-
-def _eos_ids(files_dir: Path, config: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
-
-    def add(value: Any) -> None:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, (list, tuple)):
-            ids.update(v for v in value if isinstance(v, int))
-
-    generation = files_dir / "generation_config.json"
-    if generation.is_file():
-        try:
-            add(json.loads(generation.read_text()).get("eos_token_id"))
-        except ValueError:
-            logger.warning("ignoring unreadable %s", generation)
-    else:
-        add(getattr(config, "eos_token_id", None))
-    add(getattr(tokenizer, "eos_token_id", None))
-    return ids
-
-
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, (str, Mapping)):
         return [prompts]
@@ -538,3 +536,11 @@ def _progress(total: int) -> Any:
             "use_tqdm=True needs tqdm; run: pip install 'tensorstream[progress]'"
         ) from exc
     return tqdm(total=total, desc="requests", unit="req")
+
+
+#: ``LLM``'s own keyword names, for "did you mean" hints on unknown keywords.
+_OWN_PARAMETERS = tuple(
+    name
+    for name in inspect.signature(LLM.__init__).parameters
+    if name not in ("self", "vllm_kwargs")
+)

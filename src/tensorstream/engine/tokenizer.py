@@ -86,7 +86,11 @@ class NativeTokenizer:
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
             template = named.get("default") or next(iter(named.values()), None)
         self.chat_template: str | None = template if isinstance(template, str) else None
-        self._special_ids = {t.id for t in self._added_tokens() if getattr(t, "special", False)}
+        self._special_ids = {
+            i
+            for i, token in self._tok.get_added_tokens_decoder().items()
+            if getattr(token, "special", False)
+        }
         self._compiled: dict[str, Any] = {}
 
     def _read_json(self, name: str) -> dict[str, Any]:
@@ -98,10 +102,6 @@ class NativeTokenizer:
         except ValueError as exc:
             raise ConfigError(f"cannot parse {path}: {exc}; fix or remove the file") from exc
         return data if isinstance(data, dict) else {}
-
-    def _added_tokens(self) -> list[Any]:
-        decoder = self._tok.get_added_tokens_decoder()
-        return [decoder[i] for i in sorted(decoder)]
 
     # -- special tokens -----------------------------------------------------------------
 

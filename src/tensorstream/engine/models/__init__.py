@@ -20,14 +20,24 @@ from tensorstream.engine.models.config import (
     read_config_json,
 )
 from tensorstream.engine.models.llama import AttentionBatch, NativeCausalLM
+from tensorstream.engine.models.select import (
+    MODEL_IMPLS,
+    choose_model_impl,
+    fill_native,
+    prepare_native,
+)
 
 __all__ = [
+    "MODEL_IMPLS",
     "NATIVE_ARCHITECTURES",
     "AttentionBatch",
     "NativeCausalLM",
     "NativeConfig",
     "build_native",
+    "choose_model_impl",
+    "fill_native",
     "native_architecture",
+    "prepare_native",
     "read_config_json",
 ]
 
@@ -57,13 +67,8 @@ def build_native(
     Raises:
         FormatError: a tensor's shape differs from the config's, or tensors are missing.
     """
-    from tensorstream.engine.build import fill_model
-
     device = torch.device(device)
     with torch.device("meta"):
         model = NativeCausalLM(config)
-    # Computed on the target device before the fill, so fill_model finds nothing on
-    # meta to recompute (its recompute path is transformers' _init_weights).
     model.model.rotary_emb.reset_parameters(device)
-    fill_model(model, weights, dtype=dtype, device=device, source=source)
-    return model.eval()
+    return fill_native(model, weights, dtype=dtype, device=device, source=source)
