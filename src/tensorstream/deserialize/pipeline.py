@@ -45,6 +45,8 @@ class RecordPipeline:
         self.verified: set[Any] = set()
         #: header offsets of the records whose header passed ``check``
         self.checked: set[int] = set()
+        #: ``verify_hash="crc32"``: check only the stored CRC32 (see verify.py)
+        self.crc32_only = False
         self._lock = threading.Lock()
         self._positions = {r.header_offset: i for i, r in enumerate(index.records)}
 
@@ -87,14 +89,14 @@ class RecordPipeline:
         if verify and parsed is not None:
             # meta tensors hash as no bytes (their zeros are not stored), like tensorizer
             payload = data if record.data_length else memoryview(b"")
-            verify_hashes(record, parsed, header, payload, self.where)  # type: ignore[arg-type]
+            verify_hashes(record, parsed, header, payload, self.where, self.crc32_only)  # type: ignore[arg-type]
             self.mark_verified(record)
 
     def hash_check(
         self, record: TensorRecord, parsed: TensorHeader, header: bytes | bytearray | memoryview
     ) -> HashCheck:
         """Start verifying a tensor whose bytes stream past in pieces (staged loads)."""
-        return HashCheck(record, parsed, header, self.where)
+        return HashCheck(record, parsed, header, self.where, self.crc32_only)
 
     def finish_check(self, record: TensorRecord, check: HashCheck) -> None:
         """Compare the streamed hashes with the stored ones; marks the tensor verified."""

@@ -76,7 +76,9 @@ class TensorDeserializer(Mapping[Any, Any]):
             ``model.safetensors.index.json``) returns a ``ShardedDeserializer`` instead.
         device: target device; ``None`` means CUDA when available, else CPU.
         num_readers: parallel readers; ``None`` picks the source's preferred count.
-        verify_hash: check every tensor's SHA-256 (or CRC32) while loading.
+        verify_hash: ``True`` checks every hash each tensor stores (SHA-256 and CRC32,
+            tensorizer's meaning); ``"crc32"`` checks the stored CRC32 only (fast, catches
+            corruption; see docs/security.md for what each protects against).
         lazy_load: load each tensor on first access instead of all at once.
         filter_func: ``f(name) -> bool`` selecting the tensors to load.
         dtype: cast floating-point tensors to this dtype (ints, bools stay as they are).
@@ -122,7 +124,7 @@ class TensorDeserializer(Mapping[Any, Any]):
         device: str | torch.device | int | None = None,
         *,
         num_readers: int | None = None,
-        verify_hash: bool = False,
+        verify_hash: bool | str = False,
         lazy_load: bool = False,
         filter_func: FilterFunc | None = None,
         dtype: torch.dtype | None = None,
@@ -133,6 +135,8 @@ class TensorDeserializer(Mapping[Any, Any]):
         manifest: str | os.PathLike[str] | bytes | bool | None = None,
         require_manifest: bool = False,
     ) -> None:
+        if verify_hash not in (False, True, "crc32"):
+            raise ConfigError(f'verify_hash must be True, False or "crc32", got {verify_hash!r}')
         if num_readers is not None and num_readers < 1:
             raise ConfigError(f"num_readers must be >= 1 or None, got {num_readers}")
         if dtype is not None and not isinstance(dtype, torch.dtype):
@@ -162,6 +166,7 @@ class TensorDeserializer(Mapping[Any, Any]):
                 manifest=self._manifest,
                 dtype=dtype,
             )
+            self._pipeline.crc32_only = verify_hash == "crc32"
             self._tensors = self._pipeline.tensors
             self._verified = self._pipeline.verified
             self._lock = threading.RLock()  # one load at a time (lazy access from threads)

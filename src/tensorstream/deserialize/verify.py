@@ -9,7 +9,8 @@ Owns the two integrity rules every load path applies, so no path can drift:
   stored hash, CRC32 and SHA-256 alike, is checked; a header with no hash, or with a
   hash type this reader does not know, cannot be verified and is refused.
   ``HashCheck`` computes them incrementally, so streamed (staged) loads and whole-buffer
-  loads share the one rule.
+  loads share the one rule. ``verify_hash="crc32"`` (``crc32_only``) checks the stored
+  CRC32 alone (ISA-L, ~12 GB/s), falling back to the full rule when none is stored.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import hashlib
 import struct
 from typing import Any
 
+from tensorstream.deserialize.decrypt import refuse_hidden_crypt_info
 from tensorstream.deserialize.index import TensorIndex, TensorRecord
 from tensorstream.errors import FormatError, HashMismatchError, IntegrityError
 from tensorstream.formats.tensorizer import (
@@ -53,6 +55,8 @@ def check_header(
     parsed = unpack_tensor_header(
         header, long_shape=record.long_shape, crypt_info=index.header.encrypted, where=place
     )
+    if not index.header.encrypted:  # a plain version edited into an encrypted file
+        refuse_hidden_crypt_info(record, header, parsed, place, index.header.version)
     fields: list[tuple[str, Any, Any]] = [
         ("name", _show_name(record.raw_name), _show_name(parsed.raw_name)),
         ("tensor type", record.tensor_type, parsed.tensor_type),
@@ -72,9 +76,10 @@ def check_header(
 
 
 def hashes_to_check(
-    record: TensorRecord, parsed: TensorHeader, where: str
+    record: TensorRecord, parsed: TensorHeader, where: str, crc32_only: bool = False
 ) -> list[tuple[int, bytes]]:
-    """The hashes ``verify_hash=True`` checks: every one the header stores.
+    """The hashes ``verify_hash=True`` checks: every one the header stores
+    (with ``crc32_only``, the stored CRC32 alone when there is one).
 
     Raises:
         IntegrityError: the header stores no hash, or one of a type this reader does
@@ -82,6 +87,8 @@ def hashes_to_check(
         FormatError: a known hash of the wrong length.
     """
     entries = parsed.hash_entries or tuple(parsed.hashes.items())
+    if crc32_only and any(t == HASH_CRC32 for t, _ in entries):
+        entries = tuple((t, h) for t, h in entries if t == HASH_CRC32)
     place = f"{where}: tensor {record.name!r} (header at offset {record.header_offset})"
     unknown = sorted({t for t, _ in entries if t not in _KNOWN})
     if unknown:
@@ -109,11 +116,16 @@ class HashCheck:
     """Every stored hash of one tensor, computed as its bytes stream past."""
 
     def __init__(
-        self, record: TensorRecord, parsed: TensorHeader, header: _Buffer, where: str
+        self,
+        record: TensorRecord,
+        parsed: TensorHeader,
+        header: _Buffer,
+        where: str,
+        crc32_only: bool = False,
     ) -> None:
         self._record = record
         self._where = where
-        self._expected = hashes_to_check(record, parsed, where)
+        self._expected = hashes_to_check(record, parsed, where, crc32_only)
         covered = parsed.hashable(header)
         types = {t for t, _ in self._expected}
         self._sha = hashlib.sha256(covered) if HASH_SHA256 in types else None
@@ -142,7 +154,12 @@ class HashCheck:
 
 
 def verify_hashes(
-    record: TensorRecord, parsed: TensorHeader, header: _Buffer, data: _Buffer, where: str
+    record: TensorRecord,
+    parsed: TensorHeader,
+    header: _Buffer,
+    data: _Buffer,
+    where: str,
+    crc32_only: bool = False,
 ) -> None:
     """Check every stored hash over the header and ``data`` (empty for meta tensors).
 
@@ -150,6 +167,6 @@ def verify_hashes(
         HashMismatchError, IntegrityError, FormatError: see ``HashCheck`` and
             ``hashes_to_check``.
     """
-    check = HashCheck(record, parsed, header, where)
+    check = HashCheck(record, parsed, header, where, crc32_only)
     check.update(data)
     check.finish()
