@@ -6,6 +6,14 @@ registers ``--lora-modules`` and then marks the server ready. SIGTERM/SIGINT
 stop accepting connections, let running requests finish for up to
 ``--shutdown-timeout`` seconds, and exit 0. A failed load exits 1.
 
+A ``vllm serve`` command line works as it is: every flag of vLLM's engine and
+server is accepted (``engine/vllm_args.py``). Those that apply are honoured; those
+that cannot apply to this engine are named once at WARNING; a value that cannot be
+honoured (``--tensor-parallel-size 2``, ``--quantization awq``) is a one-line error
+naming the flag. ``--model X`` (vLLM's older form) equals the positional MODEL, and
+``--max_model_len`` equals ``--max-model-len``, as in vLLM. The address defaults to
+vLLM's: every interface (``0.0.0.0``), port 8000.
+
 Example::
 
     tensorstream serve s3://my-bucket/vllm/facebook/opt-125m/v1 --load-format tensorizer \\
@@ -17,21 +25,30 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["configure", "run"]
+__all__ = ["configure", "normalize_flags", "run"]
 
 logger = logging.getLogger("tensorstream.serve")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Add ``serve``'s arguments to ``parser``."""
+    """Add ``serve``'s arguments to ``parser`` (and, hidden, the rest of vLLM's)."""
+    from tensorstream.cli.keys import add_key_options
+    from tensorstream.engine.vllm_args import add_vllm_options
+
     parser.add_argument(
         "model",
+        nargs="?",
         help="local directory, s3:// or http(s):// URI, Hugging Face id (from the cache), "
         "or the built-in 'smollm2-135m'",
+    )
+    parser.add_argument(
+        "--model", dest="model_option", metavar="MODEL", help="same as MODEL (vLLM's older form)"
     )
     parser.add_argument(
         "--load-format", default="auto", help="auto (default), tensorizer or safetensors"
@@ -40,9 +57,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="auto", help="auto, float16, bfloat16 or float32 (default auto)"
     )
     parser.add_argument(
-        "--served-model-name", default=None, help="name clients use as 'model' (default MODEL)"
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="name clients use as 'model' (default MODEL)",
     )
-    parser.add_argument("--enable-lora", action="store_true", help="allow LoRA adapters")
+    parser.add_argument(
+        "--enable-lora", action=argparse.BooleanOptionalAction, default=False, help="allow LoRA"
+    )
     parser.add_argument(
         "--lora-modules",
         nargs="+",
@@ -57,61 +80,39 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help='JSON loader options, e.g. \'{"deserialization_kwargs": {"num_readers": 2}}\'',
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default: all)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
-        help="require 'Authorization: Bearer KEY' (default $TENSORSTREAM_API_KEY, "
-        "else $VLLM_API_KEY)",
-    )
-    # Server hardening (tensorstream.server.security / prompts / protocol).
-    parser.add_argument(
-        "--enable-runtime-lora-updating",
-        action="store_true",
-        help="allow /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1); loads only from --lora-allowed-roots",
+        help="require 'Authorization: Bearer KEY' (default $TENSORSTREAM_API_KEY or $VLLM_API_KEY)",
     )
     parser.add_argument(
-        "--lora-allowed-roots",
-        action="append",
-        default=None,
-        metavar="ROOT",
-        help="where runtime adapters may be loaded from: local dir, s3://bucket/prefix or "
-        "https://host/prefix (repeatable, or comma-separated)",
+        "--max-model-len", type=_token_count, default=None, help="context length (e.g. 4096, 4k)"
     )
-    parser.add_argument(
-        "--max-seqs-per-request",
-        type=int,
-        default=256,
-        help="most prompts x n in one request (default 256)",
-    )
-    parser.add_argument(
-        "--chat-template-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a chat template may take to render (default 10)",
-    )
-    parser.add_argument(
-        "--trust-request-chat-template",
-        action="store_true",
-        help="accept a chat_template sent in a request",
-    )
-    parser.add_argument(
-        "--request-header-timeout",
-        type=float,
-        default=10.0,
-        help="close connections whose request headers are incomplete after this many "
-        "seconds (default 10)",
-    )
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length")
     parser.add_argument(
         "--max-num-seqs", type=int, default=256, help="most sequences generated at once"
     )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=_token_count,
+        default=None,
+        help="prompt tokens prefilled per step (native engine; default 512)",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed for unseeded sampling")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: auto)")
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch threads for the model (default: CPUs this process may use, minus one)",
+    )
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory, if not beside")
-    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument(
+        "--chat-template", default=None, help="chat template file (or text) to use instead"
+    )
+    parser.add_argument("--trust-remote-code", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--revision", default=None, help="Hub revision for Hub ids")
     parser.add_argument(
         "--shutdown-timeout",
@@ -119,7 +120,128 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         help="seconds running requests may take to finish after SIGTERM (default 30)",
     )
-    parser.add_argument("--log-level", default="info", help="uvicorn log level (default info)")
+    parser.add_argument(
+        "--log-level",
+        "--uvicorn-log-level",
+        dest="log_level",
+        default="info",
+        help="uvicorn log level (default info)",
+    )
+    add_key_options(parser, for_writing=False)
+    add_vllm_options(parser, _defined(parser))
+
+
+def _defined(parser: argparse.ArgumentParser) -> set[str]:
+    """Option names (Python spelling) ``parser`` already has."""
+    names = set()
+    for action in parser._actions:
+        for flag in action.option_strings:
+            if flag.startswith("--"):
+                names.add(flag[2:].replace("-", "_"))
+        names.add(action.dest)
+    names.add("model")
+    return names
+
+
+def _token_count(text: str) -> int | None:
+    """vLLM's token counts: ``4096``, ``4k`` / ``4K`` (x1000), ``4ki`` (x1024), ``auto``."""
+    value = text.strip().lower()
+    if value in ("auto", "-1"):
+        return None
+    scale = 1
+    for suffix, factor in (("ki", 1024), ("mi", 1024**2), ("k", 1000), ("m", 1000**2)):
+        if value.endswith(suffix):
+            value, scale = value[: -len(suffix)], factor
+            break
+    try:
+        return int(float(value) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 4096, 4k)") from None
+
+
+def normalize_flags(argv: Sequence[str]) -> list[str]:
+    """Accept ``--max_model_len`` for ``--max-model-len``, as vLLM's parser does."""
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
+def process_age() -> float | None:
+    """Seconds since this process started (from ``/proc``), None where unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            # The command name may hold spaces; fields after ")" are fixed: starttime is 22nd.
+            fields = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _checked(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate the options before the server starts; returns the extra loader config.
+
+    Raises:
+        ConfigError: a value that cannot be honoured, naming the flag.
+    """
+    from tensorstream.cli.keys import decryption_from_args
+    from tensorstream.engine.vllm_args import apply_vllm_options, vllm_options_given
+    from tensorstream.errors import ConfigError
+    from tensorstream.utils.jsonarg import json_object
+
+    if args.model_option and args.model and args.model_option != args.model:
+        raise ConfigError(
+            f"MODEL {args.model!r} and --model {args.model_option!r} differ; give one of them"
+        )
+    args.model = args.model or args.model_option
+    if not args.model:
+        raise ConfigError("serve needs a model: tensorstream serve MODEL (or --model MODEL)")
+    if args.max_num_seqs < 1:
+        raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
+    if args.cpu_threads is not None and args.cpu_threads < 1:
+        raise ConfigError(f"--cpu-threads must be >= 1, got {args.cpu_threads}")
+    keys = (
+        args.api_key
+        or [
+            k for k in (os.environ.get("TENSORSTREAM_API_KEY"), os.environ.get("VLLM_API_KEY")) if k
+        ][:1]
+    )
+    if len(keys) > 1:
+        raise ConfigError(f"--api-key: {len(keys)} keys given; one key is supported, give one")
+    args.api_key = keys[0] if keys else None
+    names = args.served_model_name or []
+    if len(names) > 1:
+        logger.warning(
+            "--served-model-name: only the first name (%r) is served; %s not",
+            names[0],
+            ", ".join(repr(n) for n in names[1:]),
+        )
+    args.served_model_name = names[0] if names else None
+    apply_vllm_options(vllm_options_given(args), "cli")
+    extra = json_object(args.model_loader_extra_config, "--model-loader-extra-config")
+    if args.keyfile:
+        given = extra.get("encryption_keyfile")
+        if given and given != args.keyfile:
+            raise ConfigError(
+                "--keyfile and encryption_keyfile in --model-loader-extra-config name "
+                "different key files; give one"
+            )
+        extra["encryption_keyfile"] = args.keyfile  # adapters beside the model use it too
+    elif args.passphrase_env:
+        kwargs = dict(extra.get("deserialization_kwargs") or {})
+        kwargs["encryption"] = decryption_from_args(args)
+        extra["deserialization_kwargs"] = kwargs
+    if getattr(args, "require_manifest", False):
+        kwargs = dict(extra.get("deserialization_kwargs") or {})
+        kwargs["require_manifest"] = True
+        extra["deserialization_kwargs"] = kwargs
+    return extra
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,33 +249,25 @@ def run(args: argparse.Namespace) -> int:
 
     Returns:
         0 after a graceful shutdown, 1 when the model failed to load.
+
+    Raises:
+        ConfigError: an option that cannot be honoured (before anything starts).
     """
     import uvicorn
 
     from tensorstream.errors import ConfigError
     from tensorstream.server.adapters import parse_lora_modules
     from tensorstream.server.app import ServeOptions, ServerState, create_app
-    from tensorstream.server.protocol import header_timeout_protocol
-    from tensorstream.server.security import resolve_api_key, runtime_lora_updating_enabled
 
-    if args.max_num_seqs < 1:
-        raise ConfigError(f"--max-num-seqs must be >= 1, got {args.max_num_seqs}")
-    for flag in ("max_seqs_per_request", "chat_template_timeout", "request_header_timeout"):
-        if getattr(args, flag) <= 0:
-            raise ConfigError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    extra = _checked(args)
     modules = parse_lora_modules(args.lora_modules)
     if modules and not args.enable_lora:
         raise ConfigError("--lora-modules needs --enable-lora")
     options = ServeOptions(
         served_model_name=args.served_model_name or args.model,
-        api_key=resolve_api_key(args.api_key),
+        api_key=args.api_key or None,
         max_num_seqs=args.max_num_seqs,
         enable_lora=args.enable_lora,
-        runtime_lora_updating=runtime_lora_updating_enabled(args.enable_runtime_lora_updating),
-        lora_allowed_roots=tuple(args.lora_allowed_roots or ()),
-        max_seqs_per_request=args.max_seqs_per_request,
-        chat_template_timeout=args.chat_template_timeout,
-        trust_request_chat_template=args.trust_request_chat_template,
     )
     state = ServerState(options)
     app = create_app(state)
@@ -163,17 +277,24 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
-        http=header_timeout_protocol(args.request_header_timeout),
         # The engine thread runs the model; more event-loop threads would not help.
         workers=1,
     )
     server = _graceful_server_class()(config)
     started = time.perf_counter()
     failed = threading.Event()
+    where = "all interfaces" if args.host in ("0.0.0.0", "::", "") else args.host
+    logger.info(
+        "serving %s on http://%s:%d/v1 (%s); answering 503 until the model is loaded",
+        args.model,
+        args.host,
+        args.port,
+        where,
+    )
 
     def load() -> None:
         try:
-            llm = _build_llm(args)
+            llm = _build_llm(args, extra)
             state.attach(llm, ready=False)
             for name, path in modules:
                 asyncio.run(state.adapters.load(name, path))
@@ -185,17 +306,15 @@ def run(args: argparse.Namespace) -> int:
             failed.set()
             server.should_exit = True
             return
-        stats = llm.load_stats
+        age = process_age()
         logger.info(
-            "ready: %s as %r, %.1f MB of weights in %.2f s (read %.2f s, %.2f GB/s); "
-            "%.2f s since start; http://%s:%d/v1",
+            "ready: %s as %r (%s, usable after %.2f s); %.2f s since process start; "
+            "http://%s:%d/v1",
             args.model,
             options.served_model_name,
-            stats.bytes / 1e6,
-            stats.seconds,
-            stats.read_seconds,
-            stats.gb_per_s,
-            time.perf_counter() - started,
+            llm.load_stats.describe(),
+            llm.load_stats.seconds,
+            age if age is not None else time.perf_counter() - started,
             args.host,
             args.port,
         )
@@ -248,21 +367,33 @@ def _graceful_server_class() -> type:
     return GracefulServer
 
 
-def _build_llm(args: argparse.Namespace) -> Any:
+def _build_llm(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
     from tensorstream.engine import LLM
+    from tensorstream.errors import KeyRequiredError
 
-    return LLM(
-        args.model,
-        load_format=args.load_format,
-        dtype=args.dtype,
-        enable_lora=args.enable_lora,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        model_loader_extra_config=args.model_loader_extra_config,
-        seed=args.seed,
-        device=args.device,
-        tokenizer=args.tokenizer,
-        max_model_len=args.max_model_len,
-        trust_remote_code=args.trust_remote_code,
-        revision=args.revision,
-    )
+    try:
+        return LLM(
+            args.model,
+            load_format=args.load_format,
+            dtype=args.dtype,
+            enable_lora=args.enable_lora,
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            model_loader_extra_config=extra,
+            seed=args.seed,
+            device=args.device,
+            tokenizer=args.tokenizer,
+            max_model_len=args.max_model_len,
+            trust_remote_code=args.trust_remote_code,
+            revision=args.revision,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            cpu_threads=args.cpu_threads,
+            chat_template=args.chat_template,
+        )
+    except KeyRequiredError as exc:
+        # Say how to give the key on this command line, not as LLM keyword arguments.
+        cause = exc.__cause__ if isinstance(exc.__cause__, KeyRequiredError) else exc
+        raise KeyRequiredError(
+            f"{cause}; pass --keyfile PATH or --passphrase-env VAR to tensorstream serve "
+            '(or "encryption_keyfile" in --model-loader-extra-config)'
+        ) from exc

@@ -44,15 +44,24 @@ class LoadedWeights(Mapping[str, torch.Tensor]):
 
     Attributes:
         uri: the weights' location, for logs and errors.
-        nbytes: bytes of tensor data read from storage.
+        nbytes: bytes of tensor data the tensors hold.
+        mapped_bytes: of those, bytes that are views of a file mapping (not read yet:
+            the page cache is read when the model first touches them).
     """
 
     def __init__(
-        self, tensors: Mapping[str, torch.Tensor], *, uri: str, nbytes: int, closer: Any = None
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        uri: str,
+        nbytes: int,
+        closer: Any = None,
+        mapped_bytes: int = 0,
     ):
         self._tensors = tensors
         self.uri = uri
         self.nbytes = nbytes
+        self.mapped_bytes = mapped_bytes
         self._closer = closer
 
     def __getitem__(self, name: str) -> torch.Tensor:

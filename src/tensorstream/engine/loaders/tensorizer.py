@@ -6,11 +6,16 @@ under ``"tensorizer_config"``: ``tensorizer_uri`` (file to read; may hold a
 holding ``model.tensors``), ``num_readers``, ``verify_hash``,
 ``encryption_keyfile``, ``deserialization_kwargs`` (passed to the
 deserializer), and the S3 options ``s3_access_key_id``,
-``s3_secret_access_key``, ``s3_endpoint`` and ``stream_kwargs``.
+``s3_secret_access_key``, ``s3_endpoint`` and ``stream_kwargs`` (tensorizer's
+``open_stream`` keywords, mapped in ``tensorizer_config.storage_from_extra``).
+``lora_dir`` (the adapter beside the model) is used by ``LLM``'s LoRA support and
+``serialization_kwargs`` only by serialization; both are accepted here. Booleans and
+counts may be strings, as vLLM's guide writes them (``"True"``, ``"8"``).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,9 +27,13 @@ from tensorstream.engine.loaders.base import (
     WeightLoader,
     check_extra_keys,
 )
-from tensorstream.errors import ConfigError
+from tensorstream.engine.loaders.tensorizer_config import storage_from_extra
+from tensorstream.engine.vllm_args import parse_bool
+from tensorstream.errors import ConfigError, KeyRequiredError
 
 __all__ = ["TensorizerLoadOptions", "TensorizerLoader"]
+
+logger = logging.getLogger(__name__)
 
 _RANK_TEMPLATE = re.compile(r"%0\dd")
 
@@ -60,6 +69,8 @@ class TensorizerLoadOptions:
                 )
             flat = {**flat, **nested}
         flat.pop("vllm_tensorized", None)  # vLLM's deprecated flag; detection is not needed here
+        flat.pop("lora_dir", None)  # the adapter beside the model: LLM's LoRA manager reads it
+        flat.pop("serialization_kwargs", None)  # only used when serializing
         check_extra_keys("tensorizer", flat, frozenset(cls.__dataclass_fields__))
         for key in ("deserialization_kwargs", "stream_kwargs"):
             if flat.get(key) is None:
@@ -68,14 +79,12 @@ class TensorizerLoadOptions:
                 raise ConfigError(
                     f"model_loader_extra_config[{key!r}] must be a JSON object, got {flat[key]!r}"
                 )
-        if flat.get("num_readers") is not None and (
-            not isinstance(flat["num_readers"], int) or flat["num_readers"] < 1
-        ):
-            raise ConfigError(
-                f"num_readers must be a positive integer or null, got {flat['num_readers']!r}"
-            )
-        if "verify_hash" in flat:
-            flat["verify_hash"] = bool(flat["verify_hash"])
+        if flat.get("num_readers") is not None:
+            flat["num_readers"] = _readers(flat["num_readers"], "num_readers")
+        if flat.get("verify_hash") is not None:
+            flat["verify_hash"] = parse_bool(flat["verify_hash"], "verify_hash")
+        else:
+            flat.pop("verify_hash", None)
         return cls(**flat)
 
     def uri_for(self, weights_dir: str) -> str:
@@ -123,7 +132,7 @@ class TensorizerLoader(WeightLoader):
             "num_readers": options.num_readers,
             "verify_hash": options.verify_hash,
         }
-        storage = _storage_options(options)
+        storage = storage_from_extra(request.extra)
         if storage is not None:
             kwargs["storage"] = storage
         if options.encryption_keyfile:
@@ -134,44 +143,24 @@ class TensorizerLoader(WeightLoader):
             key = read_keyfile(options.encryption_keyfile, storage)
             kwargs["encryption"] = DecryptionParams.from_key(key)
         kwargs.update(_checked_kwargs(options.deserialization_kwargs))
-        deserializer = TensorDeserializer(uri, **kwargs)
+        try:
+            deserializer = TensorDeserializer(uri, **kwargs)
+        except KeyRequiredError as exc:
+            # The entry point (LLM or serve) adds how to give the key its own way.
+            raise KeyRequiredError(f"{uri} is encrypted and no key was given") from exc
         try:
             tensors = dict(deserializer.items())
         except BaseException:
             deserializer.close()
             raise
-        nbytes = getattr(deserializer, "total_bytes_read", 0) or sum(
-            t.nbytes for t in tensors.values()
+        nbytes = sum(t.nbytes for t in tensors.values())
+        return LoadedWeights(
+            tensors,
+            uri=uri,
+            nbytes=nbytes,
+            closer=deserializer,
+            mapped_bytes=_mapped_bytes(deserializer, tensors),
         )
-        return LoadedWeights(tensors, uri=uri, nbytes=nbytes, closer=deserializer)
-
-
-def _storage_options(options: TensorizerLoadOptions) -> Any:
-    """``StorageOptions`` from the S3 keys and ``stream_kwargs``; None when none were given.
-
-    Raises:
-        ConfigError: a ``stream_kwargs`` key that ``StorageOptions`` does not have.
-    """
-    from dataclasses import fields
-
-    from tensorstream.sources.base import StorageOptions
-
-    values = {
-        "s3_access_key_id": options.s3_access_key_id,
-        "s3_secret_access_key": options.s3_secret_access_key,
-        "s3_endpoint": options.s3_endpoint,
-        **options.stream_kwargs,
-    }
-    values = {key: value for key, value in values.items() if value is not None}
-    if not values:
-        return None
-    known = {f.name for f in fields(StorageOptions)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(
-            f"stream_kwargs keys {unknown} are not storage options; valid: {', '.join(sorted(known))}"
-        )
-    return StorageOptions(**values)
 
 
 def _checked_kwargs(extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -185,9 +174,63 @@ def _checked_kwargs(extra: Mapping[str, Any]) -> dict[str, Any]:
         for name, p in inspect.signature(TensorDeserializer.__init__).parameters.items()
         if p.kind is inspect.Parameter.KEYWORD_ONLY or name == "device"
     }
-    unknown = sorted(set(extra) - accepted)
+    out = dict(extra)
+    for key in sorted(set(_TENSORIZER_ONLY) & set(out)):
+        logger.info(
+            "deserialization_kwargs[%r] accepted, no effect here: %s", key, _TENSORIZER_ONLY[key]
+        )
+        del out[key]
+    unknown = sorted(set(out) - accepted)
     if unknown:
         raise ConfigError(
             f"unknown deserialization_kwargs key(s) {unknown}; accepted: {sorted(accepted)}"
         )
-    return dict(extra)
+    if out.get("verify_hash") is not None:
+        out["verify_hash"] = parse_bool(out["verify_hash"], "deserialization_kwargs['verify_hash']")
+    if out.get("num_readers") is not None:
+        out["num_readers"] = _readers(out["num_readers"], "deserialization_kwargs['num_readers']")
+    for key in ("lazy_load", "use_mmap", "require_manifest"):
+        if isinstance(out.get(key), str):
+            out[key] = parse_bool(out[key], f"deserialization_kwargs[{key!r}]")
+    return out
+
+
+# tensorizer TensorDeserializer keywords that tensorstream's deserializer does not need.
+_TENSORIZER_ONLY = {
+    "plaid_mode": "readers always stream into the destination memory",
+    "plaid_mode_buffers": "readers size their own buffers",
+}
+
+
+def _readers(value: Any, what: str) -> int:
+    """A positive reader count from an int or a numeric string (``"8"``)."""
+    try:
+        count = int(value) if not isinstance(value, bool) else 0
+    except (TypeError, ValueError):
+        count = 0
+    if count < 1 or (isinstance(value, float) and value != count):
+        raise ConfigError(f"{what} must be a positive integer or null, got {value!r}")
+    return count
+
+
+def _mapped_bytes(deserializer: Any, tensors: Mapping[str, Any]) -> int:
+    """Bytes of ``tensors`` that are views of the deserializer's file mapping.
+
+    Local CPU loads map the ``.tensors`` file and hand out views of the page cache;
+    nothing is read until the model touches them. Tensors that were converted,
+    decrypted or copied live elsewhere and count as read.
+    """
+    import ctypes
+
+    fmap = getattr(deserializer, "_file_map", None)
+    region = getattr(fmap, "_map", None)
+    if region is None:
+        return 0
+    try:
+        start = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    except (TypeError, ValueError):
+        return 0
+    end = start + len(region)
+    return sum(
+        t.nbytes for t in tensors.values() if t.device.type == "cpu" and start <= t.data_ptr() < end
+    )
