@@ -32,6 +32,10 @@ SUBCOMMANDS = {
     "generate": ("tensorstream.cli.generate", "generate text with a model"),
     "serve": ("tensorstream.cli.serve", "OpenAI-compatible HTTP server"),
     "keygen": ("tensorstream.cli.keygen", "write a new random 32-byte encryption key file"),
+    "realign": (
+        "tensorstream.cli.realign",
+        "rewrite a tensorizer-written file with aligned tensor data (loads without copies)",
+    ),
 }
 
 
