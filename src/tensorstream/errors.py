@@ -15,6 +15,7 @@ from it, so ``except FileNotFoundError`` keeps working::
     │   ├── KeyRequiredError                encrypted file, no key given
     │   ├── NotEncryptedError               key given for a plain file
     │   ├── DecryptionError                 wrong key or tampered ciphertext (MAC failed)
+    │   ├── KeyDerivationLimitError (ConfigError)  Argon2 cost above the reader's cap
     │   └── ManifestError                   authenticated manifest refused the file
     ├── SourceError (OSError)               reading from / writing to storage
     │   ├── SourceNotFoundError (FileNotFoundError)
@@ -41,6 +42,7 @@ __all__ = [
     "FormatError",
     "HashMismatchError",
     "IntegrityError",
+    "KeyDerivationLimitError",
     "KeyRequiredError",
     "ManifestError",
     "MetadataOverflowError",
@@ -139,3 +141,7 @@ class MetadataOverflowError(SerializationError):
 
 class ConfigError(TensorStreamError, ValueError):
     """An option, key or argument is invalid."""
+
+
+class KeyDerivationLimitError(CryptoError, ConfigError):
+    """A file asks for more Argon2 work (memory, passes, distinct salts) than allowed."""

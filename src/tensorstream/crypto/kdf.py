@@ -8,7 +8,8 @@ argon2-cffi is missing, libsodium's own ``crypto_pwhash`` is used instead.
 Derivation is deliberately slow (MODERATE: about 0.5 s and 256 MiB), and an
 encrypted file repeats the same parameters in every tensor header, so derived
 keys are cached per (passphrase, salt, opslimit, memlimit, algorithm); threads
-asking for the same key at once wait for one computation.
+asking for the same key at once wait for one computation, and different keys are
+derived one at a time so their memory never adds up.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from collections import OrderedDict
 from concurrent.futures import Future
 
 from tensorstream.crypto.cryptinfo import ALG_ARGON2I13, ALG_ARGON2ID13
-from tensorstream.errors import ConfigError, CryptoError, CryptoUnavailableError
+from tensorstream.errors import (
+    ConfigError,
+    CryptoError,
+    CryptoUnavailableError,
+    KeyDerivationLimitError,
+)
 
 __all__ = [
     "KEY_BYTES",
@@ -35,7 +41,8 @@ __all__ = [
 
 KEY_BYTES = 32
 SALT_BYTES = 16
-#: Ceilings on what a file may ask for: a hostile header could otherwise demand
+#: Absolute ceilings, even for a caller who raised ``DecryptionParams``' caps (whose
+#: defaults are tensorizer's SENSITIVE preset): a hostile header could otherwise demand
 #: terabytes of memory or hours of CPU before the first MAC check fails.
 MAX_OPSLIMIT = 64
 MAX_MEMLIMIT = 16 << 30
@@ -46,6 +53,9 @@ _CACHE_SIZE = 32
 # passphrase or a plain hash of it.
 _CACHE_SECRET = secrets.token_bytes(32)
 _lock = threading.Lock()
+# One derivation at a time: each may take up to its memlimit (1 GiB by default), and
+# threads deriving different salts at once would add those up.
+_compute_lock = threading.Lock()
 _cache: OrderedDict[tuple[bytes, bytes, int, int, int], Future[bytes]] = OrderedDict()
 
 
@@ -57,11 +67,11 @@ def _check(salt: bytes, opslimit: int, memlimit: int, alg: int) -> None:
         )
     min_ops = 3 if alg == ALG_ARGON2I13 else 1
     if not min_ops <= opslimit <= MAX_OPSLIMIT:
-        raise ConfigError(
+        raise KeyDerivationLimitError(
             f"Argon2 opslimit {opslimit} is outside the accepted range {min_ops}..{MAX_OPSLIMIT}"
         )
     if not _MIN_MEMLIMIT <= memlimit <= MAX_MEMLIMIT:
-        raise ConfigError(
+        raise KeyDerivationLimitError(
             f"Argon2 memlimit {memlimit} bytes is outside the accepted range "
             f"{_MIN_MEMLIMIT}..{MAX_MEMLIMIT}"
         )
@@ -172,7 +182,9 @@ def derive_key(
     assert future is not None
     if owner:
         try:
-            future.set_result(_compute(passphrase, salt, opslimit, memlimit, alg))
+            with _compute_lock:
+                key = _compute(passphrase, salt, opslimit, memlimit, alg)
+            future.set_result(key)
         except BaseException as exc:
             with _lock:
                 if _cache.get(cache_key) is future:

@@ -72,6 +72,34 @@ _CHECK_LABEL = b"tensorstream key check v1"
 _MAC_LABEL = b"tensorstream manifest v1"
 
 
+#: Deepest nesting a manifest may have (a real one has 5: doc, body, tensors, tensor,
+#: cipher MACs); parsing stays bounded whatever a hostile manifest holds.
+_MAX_DEPTH = 16
+_TENSOR_FIELDS = frozenset(
+    {"name", "type", "shape", "header_offset", "data_offset", "data_length", "dtype"}
+)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def _too_deep(data: bytes) -> bool:
+    """Whether ``data``'s brackets nest deeper than ``_MAX_DEPTH`` (or do not balance).
+
+    Works on the bracket skeleton with C-speed byte operations: each pass drops the
+    innermost pairs, so anything left after ``_MAX_DEPTH`` passes is too deep. Brackets
+    inside JSON strings count too; a real manifest's strings (hex, the format name)
+    have none.
+    """
+    skeleton = data.translate(None, _NOT_BRACKETS)
+    for _ in range(_MAX_DEPTH):
+        if not skeleton:
+            return False
+        shorter = skeleton.replace(b"[]", b"").replace(b"{}", b"")
+        if len(shorter) == len(skeleton):
+            return True  # unbalanced: no pair left to drop
+        skeleton = shorter
+    return bool(skeleton)
+
+
 def _prf(key: bytes, msg: bytes) -> bytes:
     return hashlib.blake2b(msg, key=key, digest_size=32).digest()
 
@@ -280,6 +308,12 @@ class Manifest:
             DecryptionError: the key or passphrase is not the one the file was written with.
             ManifestError: the manifest is malformed or its MAC fails (tampered).
         """
+        data = bytes(data)
+        if _too_deep(data):
+            raise ManifestError(
+                f"the manifest of {where} nests deeper than {_MAX_DEPTH} levels (or its "
+                "brackets do not balance); it was damaged or is not a tensorstream manifest"
+            )
         try:
             doc = json.loads(data)
             body = doc["manifest"]
@@ -299,11 +333,15 @@ class Manifest:
                     alg=int(kdf_raw["alg"]),
                 )
             check = str(body["key_check"])
+            if not isinstance(body["tensors"], list) or not all(
+                isinstance(t, dict) and _TENSOR_FIELDS <= t.keys() for t in body["tensors"]
+            ):
+                raise TypeError("tensors")
             tensors = tuple(body["tensors"])
             file = dict(body["file"])
         except ManifestError:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
             raise ManifestError(
                 f"the manifest of {where} is malformed ({type(exc).__name__}); it was damaged "
                 "or is not a tensorstream manifest"

@@ -15,7 +15,12 @@ from enum import IntEnum
 
 from tensorstream.crypto.cryptinfo import ALG_ARGON2ID13, KeyDerivation, UnknownChunk
 from tensorstream.crypto.kdf import KEY_BYTES, SALT_BYTES, derive_key
-from tensorstream.errors import ConfigError, CryptoError, KeyRequiredError
+from tensorstream.errors import (
+    ConfigError,
+    CryptoError,
+    KeyDerivationLimitError,
+    KeyRequiredError,
+)
 
 __all__ = ["DecryptionParams", "EncryptionParams", "MemLimit", "OpsLimit"]
 
@@ -176,11 +181,20 @@ class DecryptionParams:
         True
     """
 
-    __slots__ = ("_key", "_passphrase")
+    __slots__ = ("_key", "_max_derivations", "_max_memlimit", "_max_opslimit", "_passphrase")
+
+    #: Default caps on what a file may make a passphrase reader compute: tensorizer's
+    #: strongest preset (SENSITIVE: 4 passes over 1 GiB) and two distinct derivations.
+    DEFAULT_MAX_OPSLIMIT = int(OpsLimit.SENSITIVE)
+    DEFAULT_MAX_MEMLIMIT = int(MemLimit.SENSITIVE)
+    DEFAULT_MAX_DERIVATIONS = 2
 
     def __init__(self) -> None:
         self._key: bytes | None = None
         self._passphrase: bytes | None = None
+        self._max_opslimit = self.DEFAULT_MAX_OPSLIMIT
+        self._max_memlimit = self.DEFAULT_MAX_MEMLIMIT
+        self._max_derivations = self.DEFAULT_MAX_DERIVATIONS
 
     @classmethod
     def from_key(cls, key: bytes) -> DecryptionParams:
@@ -202,15 +216,56 @@ class DecryptionParams:
         return cls.from_key(read_keyfile(uri))
 
     @classmethod
-    def from_string(cls, passphrase: str | bytes, *, encoding: str = "utf-8") -> DecryptionParams:
+    def from_string(
+        cls,
+        passphrase: str | bytes,
+        *,
+        encoding: str = "utf-8",
+        max_opslimit: int | None = None,
+        max_memlimit: int | None = None,
+        max_derivations: int | None = None,
+    ) -> DecryptionParams:
         """Decrypt with a passphrase; the Argon2 parameters and salt come from the file.
 
+        The file chooses how much work deriving its key takes, so a hostile file could
+        ask for gigabytes of memory per derivation; the caps bound that before any MAC
+        can be checked. Raise them only for files you trust that were written with
+        stronger settings than tensorizer's presets.
+
+        Args:
+            passphrase: text (encoded with ``encoding``) or bytes.
+            encoding: how to encode a ``str`` passphrase.
+            max_opslimit: most Argon2 passes a file may ask for (default 4,
+                ``OpsLimit.SENSITIVE``; at most ``kdf.MAX_OPSLIMIT`` = 64).
+            max_memlimit: most Argon2 memory in bytes (default 1 GiB,
+                ``MemLimit.SENSITIVE``; at most ``kdf.MAX_MEMLIMIT`` = 16 GiB).
+            max_derivations: most distinct (salt, parameters) one file may use (default
+                2; tensorizer and tensorstream write one per file). Each distinct one is
+                derived once and cached.
+
         Raises:
-            ConfigError: the passphrase is empty.
+            ConfigError: the passphrase is empty, or a cap is out of range.
         """
+        from tensorstream.crypto.kdf import MAX_MEMLIMIT, MAX_OPSLIMIT
+
         params = cls()
         params._passphrase = _encode(passphrase, encoding)
+        for name, value, low, high in (
+            ("max_opslimit", max_opslimit, 1, MAX_OPSLIMIT),
+            ("max_memlimit", max_memlimit, int(MemLimit.MIN), MAX_MEMLIMIT),
+            ("max_derivations", max_derivations, 1, 64),
+        ):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(f"{name} must be an integer in {low}..{high}, got {value!r}")
+            setattr(params, f"_{name}", int(value))
         return params
+
+    @property
+    def max_derivations(self) -> int:
+        """Most distinct key derivations one file may ask for (see ``from_string``)."""
+        return self._max_derivations
 
     @property
     def is_passphrase(self) -> bool:
@@ -222,12 +277,15 @@ class DecryptionParams:
         kdf: KeyDerivation | UnknownChunk | None,
         *,
         label: str | None = None,
+        seen: set[tuple[bytes, int, int, int]] | None = None,
     ) -> bytes:
         """The key for a tensor whose CryptInfo holds ``kdf`` (``CryptInfo.key_derivation``).
 
         Args:
             kdf: the tensor's key-derivation chunk, or ``None`` if it has none.
             label: names the tensor/file in errors.
+            seen: the distinct derivations this file used so far (the caller keeps one
+                set per file; this adds to it): more than ``max_derivations`` are refused.
 
         Returns:
             The 32-byte key (derived keys are cached, so call this per tensor freely).
@@ -235,7 +293,8 @@ class DecryptionParams:
         Raises:
             KeyRequiredError: a passphrase was given but the data was encrypted with a raw key.
             CryptoError: the file uses a key-derivation method this reader does not know.
-            ConfigError: the file's Argon2 parameters are out of the accepted range.
+            KeyDerivationLimitError: the file's Argon2 cost is above this reader's caps, or
+                it uses too many distinct salts/parameters (also a ``ConfigError``).
         """
         if self._key is not None:
             return self._key
@@ -252,10 +311,44 @@ class DecryptionParams:
                 f"the data{where} uses an unknown key-derivation method; a newer tool wrote "
                 "it. Decrypt with the raw key (DecryptionParams.from_key) if you have it"
             )
+        self._check_cost(kdf, where)
+        if seen is not None:
+            self._count(kdf, where, seen)
         try:
             return derive_key(self._passphrase, kdf.salt, kdf.opslimit, kdf.memlimit, kdf.alg)
         except ConfigError as exc:
-            raise ConfigError(f"the key derivation parameters{where} were refused: {exc}") from None
+            raise KeyDerivationLimitError(
+                f"the key derivation parameters{where} were refused: {exc}"
+            ) from None
+
+    def _check_cost(self, kdf: KeyDerivation, where: str) -> None:
+        for field_name, value, cap, unit in (
+            ("opslimit", kdf.opslimit, self._max_opslimit, "Argon2 passes"),
+            ("memlimit", kdf.memlimit, self._max_memlimit, "bytes of Argon2 memory"),
+        ):
+            if value > cap:
+                raise KeyDerivationLimitError(
+                    f"the key derivation parameters{where} were refused: its {field_name} "
+                    f"asks for {value} {unit}, above this reader's cap of {cap} (tensorizer's "
+                    "strongest preset, SENSITIVE, unless raised). If you trust the file, raise "
+                    f"the cap: DecryptionParams.from_string(passphrase, max_{field_name}="
+                    f"{value})"
+                )
+
+    def _count(
+        self, kdf: KeyDerivation, where: str, seen: set[tuple[bytes, int, int, int]]
+    ) -> None:
+        ident = (kdf.salt, kdf.opslimit, kdf.memlimit, kdf.alg)
+        if ident in seen:
+            return
+        if len(seen) >= self._max_derivations:
+            raise KeyDerivationLimitError(
+                f"the key derivation parameters{where} were refused: the file uses more "
+                f"than {self._max_derivations} distinct salts/Argon2 parameters (each costs a "
+                "full key derivation; tensorizer writes one per file). If you trust the file, "
+                "raise the cap: DecryptionParams.from_string(passphrase, max_derivations=...)"
+            )
+        seen.add(ident)
 
     def __repr__(self) -> str:
         return (

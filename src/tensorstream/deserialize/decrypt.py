@@ -1,15 +1,87 @@
-"""Per-record decryption for the deserializer, in place in the destination memory."""
+"""Per-record decryption for the deserializer, in place in the destination memory.
+
+Also owns the check that a file claiming to be unencrypted carries no encryption
+data in its tensor headers (``refuse_hidden_crypt_info``), which needs no crypto.
+"""
 
 from __future__ import annotations
 
 import struct
+import threading
 from typing import Any
 
 from tensorstream.deserialize.index import TensorRecord
 from tensorstream.errors import ConfigError, DecryptionError, FormatError
 from tensorstream.formats.tensorizer import TensorHeader
 
-__all__ = ["RecordDecryptor"]
+__all__ = ["RecordDecryptor", "refuse_hidden_crypt_info"]
+
+#: CryptInfo chunk types (tensorstream.crypto.cryptinfo), repeated here so that a
+#: plain load never imports the crypto package.
+_CHUNK_TYPES = (1, 2, 3)
+
+
+def _looks_like_crypt_info(body: bytes) -> bool:
+    """``u16 count`` then ``count`` chunks of ``u64 len, u16 type, ...`` filling ``body``."""
+    if len(body) < 2:
+        return False
+    (count,) = struct.unpack_from("<H", body, 0)
+    pos = 2
+    for _ in range(count):
+        if pos + 10 > len(body):
+            return False
+        length, kind = struct.unpack_from("<QH", body, pos)
+        if kind not in _CHUNK_TYPES or length < 2 or pos + 8 + length > len(body):
+            return False
+        pos += 8 + length
+    return count > 0 and pos == len(body)
+
+
+def refuse_hidden_crypt_info(
+    record: TensorRecord,
+    header: bytes | bytearray | memoryview,
+    parsed: TensorHeader,
+    place: str,
+    version: int,
+) -> None:
+    """Refuse a tensor header that carries a CryptInfo block in a file claiming to be plain.
+
+    An encrypted file whose header was edited to an unencrypted data version (or lost
+    its encryption flag) would otherwise load its ciphertext as tensor values; the
+    CryptInfo block is still there, in what the plain layout reads as padding.
+
+    Raises:
+        FormatError: naming the tensor, its header offset and the file's version.
+    """
+    from tensorstream.formats.tensorizer import unpack_tensor_header
+
+    view = memoryview(header)
+    stop = len(view) - 8  # data_length closes every header
+    if parsed.hash_spans:
+        start = max(end for _, end in parsed.hash_spans)
+        if stop - start < 10:
+            return  # no room for a CryptInfo block: the common, fast case
+        (clen,) = struct.unpack_from("<Q", view, start)
+        if clen < 2 or start + 8 + clen > stop:
+            return
+        body = bytes(view[start + 8 : start + 8 + clen])
+    else:
+        try:
+            body = (
+                unpack_tensor_header(
+                    header, long_shape=record.long_shape, crypt_info=True
+                ).crypt_info
+                or b""
+            )
+        except FormatError:
+            return
+    if _looks_like_crypt_info(body):
+        raise FormatError(
+            f"{place}: the tensor header carries encryption data (a CryptInfo block), but the "
+            f"file header says data version {version} without encryption: the file header was "
+            "edited or damaged, and its tensors would load as ciphertext. Restore the original "
+            "file (and load it with its key)"
+        )
 
 
 class RecordDecryptor:
@@ -26,6 +98,13 @@ class RecordDecryptor:
         self._crypto = crypto
         self._params = params
         self._where = where
+        # Distinct (salt, Argon2 parameters) this file used: DecryptionParams caps them.
+        self._derivations: set[tuple[bytes, int, int, int]] = set()
+        self._kdf_lock = threading.Lock()
+
+    def _key(self, info: Any, label: str) -> bytes:
+        with self._kdf_lock:
+            return self._params.key_for(info.key_derivation, label=label, seen=self._derivations)
 
     def _info(self, record: TensorRecord, parsed: TensorHeader) -> Any:
         body = parsed.crypt_info or b""
@@ -56,7 +135,7 @@ class RecordDecryptor:
         """
         info = self._info(record, parsed)
         label = self._label(record)
-        key = self._params.key_for(info.key_derivation, label=label)
+        key = self._key(info, label)
         try:
             self._crypto.open_tensor(
                 data,
@@ -97,7 +176,7 @@ class RecordDecryptor:
                 f"{label}: encrypted as one sequential block; load it to CPU, or raise the "
                 "staging size above the tensor size"
             )
-        key = self._params.key_for(info.key_derivation, label=label)
+        key = self._key(info, label)
         first = offset // size
         import ctypes
 
