@@ -158,6 +158,9 @@ class EngineCore:
             ConfigError: empty prompt, a prompt that fills the context, a duplicate id,
                 or a ``lora_request`` without LoRA support (or an unusable adapter).
         """
+        if params.truncate_prompt_tokens is not None:
+            prompt_token_ids = list(prompt_token_ids)[-params.truncate_prompt_tokens :]
+        params = params.for_engine(sorted(self.eos_token_ids))
         if not prompt_token_ids:
             raise ConfigError("the prompt is empty; give at least one token")
         if len(prompt_token_ids) >= self.max_model_len:
@@ -363,20 +366,15 @@ class EngineCore:
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def _append(self, seq: _Sequence, token: int) -> None:
-        """Record ``token``, update the text, and decide whether the sequence stops."""
+    def _stops(self, seq: _Sequence, token: int, previous: int) -> bool:
+        """End ``seq`` on EOS, a stop token or a stop string; True when it ended."""
         params = seq.request.params
-        seq.token_ids.append(token)
-        previous = len(seq.text)
-        seq.text = self.tokenizer.decode(
-            seq.token_ids, skip_special_tokens=params.skip_special_tokens
-        )
         if token in self.eos_token_ids and not params.ignore_eos:
             seq.finish_reason = "stop"
-            return
+            return True
         if token in params.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", token
-            return
+            return True
         if params.stop_strings:
             longest = max(len(s) for s in params.stop_strings)
             start = max(0, previous - longest + 1)
@@ -384,9 +382,24 @@ class EngineCore:
             hits = [(at, s) for at, s in hits if at >= 0]
             if hits:
                 at, stop = min(hits)
-                seq.text = seq.text[:at]
+                end = at + len(stop) if params.include_stop_str_in_output else at
+                seq.text = seq.text[:end]
                 seq.finish_reason, seq.stop_reason = "stop", stop
-                return
+                return True
+        return False
+
+    def _append(self, seq: _Sequence, token: int) -> None:
+        """Record ``token``, update the text, and decide whether the sequence stops."""
+        params = seq.request.params
+        seq.token_ids.append(token)
+        previous = len(seq.text)
+        if params.detokenize:
+            seq.text = self.tokenizer.decode(
+                seq.token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+        # Until min_tokens are out only the length may end it (the sampler masks EOS/stop ids).
+        if len(seq.token_ids) >= params.min_tokens and self._stops(seq, token, previous):
+            return
         total = len(seq.request.prompt_token_ids) + len(seq.token_ids)
         if (params.max_tokens is not None and len(seq.token_ids) >= params.max_tokens) or (
             total >= self.max_model_len

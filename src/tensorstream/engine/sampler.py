@@ -17,12 +17,38 @@ __all__ = ["apply_penalties", "pick_token", "top_logprobs"]
 def apply_penalties(
     logits: torch.Tensor, params: SamplingParams, prompt_ids: torch.Tensor, output_ids: torch.Tensor
 ) -> torch.Tensor:
-    """Return ``logits`` (1-D, float32) with the repetition/presence/frequency penalties applied.
+    """Return ``logits`` (1-D, float32) processed as ``params`` asks, before sampling.
 
-    Repetition penalty follows Hugging Face (over prompt and output: negative logits are
+    In order: only ``allowed_token_ids`` survive; EOS and stop ids are masked until
+    ``min_tokens`` are out; ``logit_bias`` is added; then the penalties. Repetition
+    penalty follows Hugging Face (over prompt and output: negative logits are
     multiplied, positive divided); presence and frequency penalties follow OpenAI/vLLM
     (over output tokens only).
     """
+    size = logits.numel()
+    if params.allowed_token_ids is not None:
+        keep = torch.tensor(
+            [i for i in params.allowed_token_ids if i < size],
+            dtype=torch.long,
+            device=logits.device,
+        )
+        masked = torch.full_like(logits, float("-inf"))
+        masked[keep] = logits[keep]
+        logits = masked
+    if params.min_tokens_blocked and output_ids.numel() < params.min_tokens:
+        blocked = [i for i in params.min_tokens_blocked if i < size]
+        if blocked:
+            logits = logits.clone()
+            logits[torch.tensor(blocked, dtype=torch.long, device=logits.device)] = float("-inf")
+    if params.logit_bias:
+        ids = [i for i in params.logit_bias if i < size]
+        if ids:
+            logits = logits.clone()
+            index = torch.tensor(ids, dtype=torch.long, device=logits.device)
+            bias = torch.tensor(
+                [params.logit_bias[i] for i in ids], dtype=logits.dtype, device=logits.device
+            )
+            logits[index] += bias
     if params.repetition_penalty != 1.0:
         seen = torch.cat([prompt_ids, output_ids]).unique()
         scores = logits[seen]
@@ -49,11 +75,15 @@ def pick_token(
     """Choose the next token from processed 1-D float32 ``logits``.
 
     Greedy (temperature 0) is a plain argmax, identical to transformers' greedy search.
-    Otherwise: temperature, then top-k, then top-p, then one draw from ``generator``.
+    Otherwise: temperature, then min-p, top-k, top-p, then one draw from ``generator``.
     """
     if params.greedy:
         return int(torch.argmax(logits))
     logits = logits / params.temperature
+    if params.min_p > 0.0:
+        # min_p scales with the most likely token: keep p >= min_p * p_max.
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
