@@ -1,0 +1,147 @@
+"""Native Llama-family models equal transformers' from_pretrained: logits and greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tensorstream.engine import LLM, SamplingParams
+from tensorstream.engine.models import NativeConfig, build_native, read_config_json
+from tensorstream.errors import ConfigError
+
+IDS = [1, 504, 3458, 5, 906, 42, 17, 2860, 31, 9]
+PROMPTS = ["The quick brown fox", "Once upon a time, in a small village by the sea,"]
+LLAMA3 = dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=64,
+)
+VARIANTS = {
+    "llama-gqa-untied": ("llama", {}),
+    "llama-tied": ("llama", dict(tie_word_embeddings=True)),
+    "llama-rope-llama3": ("llama", dict(rope_scaling=LLAMA3)),
+    "llama-rope-linear": ("llama", dict(rope_scaling=dict(rope_type="linear", factor=2.0))),
+    "llama-rope-dynamic": ("llama", dict(rope_scaling=dict(rope_type="dynamic", factor=2.0))),
+    "llama-attention-bias": ("llama", dict(attention_bias=True)),
+    "mistral": ("mistral", {}),
+    "qwen2-biases": ("qwen2", {}),
+    "qwen3-qk-norm": ("qwen3", {}),
+}
+
+
+def _reference(model_dir, dtype):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def _hf_greedy(model, prompt_ids, n):
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=n, min_new_tokens=n
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_logits_and_greedy_equal_transformers(tiny, variant):
+    arch, overrides = VARIANTS[variant]
+    model_dir = tiny(arch, **overrides)
+    llm = LLM(str(model_dir), device="cpu", dtype="float32")
+    assert llm.model_impl == "native"
+    reference = _reference(model_dir, torch.float32)
+    ids = torch.tensor([IDS])
+    with torch.no_grad():
+        ours, theirs = llm.model(ids).logits, reference(ids).logits
+    # Same op order as transformers: float32 logits agree to rounding noise.
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = llm.generate({"prompt_token_ids": IDS}, greedy)[0].outputs[0].token_ids
+    assert got == _hf_greedy(reference, IDS, 12)
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa-untied", "qwen2-biases"])
+def test_bf16_logits_close_and_greedy_equal(tiny, variant):
+    arch, overrides = VARIANTS[variant]
+    model_dir = tiny(arch, **overrides)
+    llm = LLM(str(model_dir), device="cpu", dtype="bfloat16")
+    reference = _reference(model_dir, torch.bfloat16)
+    ids = torch.tensor([IDS])
+    with torch.no_grad():
+        ours, theirs = llm.model(ids).logits.float(), reference(ids).logits.float()
+    torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = llm.generate({"prompt_token_ids": IDS}, greedy)[0].outputs[0].token_ids
+    assert got == _hf_greedy(reference, IDS, 8)
+
+
+def test_smollm2_logits_and_greedy_equal_transformers(smollm2_dir):
+    llm = LLM("smollm2-135m", device="cpu")
+    assert llm.model_impl == "native" and llm.model.dtype == torch.bfloat16
+    reference = _reference(smollm2_dir, torch.bfloat16)
+    prompt = llm.tokenizer("The capital of France is")["input_ids"]
+    with torch.no_grad():
+        ours = llm.model(torch.tensor([prompt])).logits.float()
+        theirs = reference(torch.tensor([prompt])).logits.float()
+    torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=5e-2)
+    got = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    )[0].outputs[0]
+    assert got.token_ids == _hf_greedy(reference, prompt, 10)
+    assert "Paris" in got.text
+
+
+def test_checkpoint_with_rotary_inv_freq_loads(tiny, tmp_path):
+    """Older checkpoints saved rotary ``inv_freq``; it is ignored and recomputed."""
+    model_dir = tiny("llama", rope_scaling=dict(rope_type="linear", factor=2.0))
+    weights = load_file(model_dir / "model.safetensors")
+    bogus = torch.full((4,), 123.0)
+    weights["model.rotary_emb.inv_freq"] = bogus
+    weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = bogus.clone()
+    config = NativeConfig.from_dict(read_config_json(model_dir))
+    model = build_native(config, weights, dtype=torch.float32, device="cpu")
+    reference = _reference(model_dir, torch.float32)
+    assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+    save_file(weights, tmp_path / "model.safetensors")  # the LLM path too
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    llm = LLM(str(tmp_path), device="cpu")
+    assert llm.model_impl == "native"
+    assert torch.equal(llm.model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+
+
+def test_other_architectures_fall_back_and_opt_out(tiny, tmp_path, caplog):
+    import logging
+
+    model_dir = tiny("llama")
+    with caplog.at_level(logging.INFO, logger="tensorstream.engine.llm"):
+        forced = LLM(str(model_dir), device="cpu", model_impl="transformers")
+    assert forced.model_impl == "transformers"
+    assert type(forced.model).__module__.startswith("transformers.")
+    loaded = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded ")]
+    assert loaded and "transformers model code" in loaded[-1]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    native = LLM(str(model_dir), device="cpu")
+    assert (
+        native.generate(PROMPTS, greedy)[1].outputs[0].token_ids
+        == forced.generate(PROMPTS, greedy)[1].outputs[0].token_ids
+    )
+    with pytest.raises(ConfigError, match="model_impl"):
+        LLM(str(model_dir), device="cpu", model_impl="tensorflow")
+
+
+def test_native_required_for_unsupported_architecture_is_refused(tmp_path, smollm2_dir):
+    import transformers
+
+    config = transformers.AutoConfig.for_model(
+        "gpt2", n_embd=32, n_layer=1, n_head=4, n_positions=64, vocab_size=49152
+    )
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((smollm2_dir / name).read_bytes())
+    with pytest.raises(ConfigError, match="GPT2LMHeadModel"):
+        LLM(str(tmp_path), device="cpu", model_impl="native")
+    assert LLM(str(tmp_path), device="cpu").model_impl == "transformers"
