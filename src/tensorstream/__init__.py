@@ -2,7 +2,14 @@
 
 Reads and writes CoreWeave tensorizer's ``.tensors`` format byte-compatibly, from
 local disk, HTTP(S) and S3, into CPU or GPU memory.
+
+The engine's and the crypto's names (``LLM``, ``SamplingParams``, ``LoRARequest``,
+``TensorizerConfig``, ``EncryptionParams``, ``DecryptionParams``) are importable from
+here, as from ``vllm``, but load on first use: ``import tensorstream`` and a plain
+local load never import the engine, transformers or libsodium.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from tensorstream.deserialize.reader import TensorDeserializer
 from tensorstream.deserialize.sharded import ShardedDeserializer
@@ -25,11 +32,53 @@ class TensorType:
     STATE_DICT = TENSOR_TYPE_STATE_DICT
 
 
+# name -> module that defines it, imported on first access (PEP 562).
+_LAZY = {
+    "DecryptionParams": "tensorstream.crypto.params",
+    "EncryptionParams": "tensorstream.crypto.params",
+    "LLM": "tensorstream.engine.llm",
+    "LoRARequest": "tensorstream.engine.lora",
+    "RequestOutput": "tensorstream.engine.outputs",
+    "SamplingParams": "tensorstream.engine.sampling",
+    "TensorizerConfig": "tensorstream.engine.loaders.tensorizer_config",
+}
+
+if TYPE_CHECKING:
+    from tensorstream.crypto.params import DecryptionParams, EncryptionParams
+    from tensorstream.engine.llm import LLM
+    from tensorstream.engine.loaders.tensorizer_config import TensorizerConfig
+    from tensorstream.engine.lora import LoRARequest
+    from tensorstream.engine.outputs import RequestOutput
+    from tensorstream.engine.sampling import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'tensorstream' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
+    "DecryptionParams",
+    "EncryptionParams",
+    "LLM",
+    "LoRARequest",
+    "RequestOutput",
+    "SamplingParams",
     "ShardedDeserializer",
     "StorageOptions",
     "TensorDeserializer",
     "TensorSerializer",
     "TensorType",
+    "TensorizerConfig",
     "__version__",
 ]
