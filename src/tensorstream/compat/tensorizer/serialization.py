@@ -187,7 +187,7 @@ class TensorDeserializer(_Deserializer):
         plaid_mode: bool | None = None,
         plaid_mode_buffers: int | None = None,
         num_readers: int | None = None,
-        verify_hash: bool | None = None,
+        verify_hash: bool = False,
         encryption: _DecryptionParams | None = None,
     ) -> None:
         target, storage, self._compat_stream = _reader_target(file_obj)
@@ -277,6 +277,15 @@ class TensorDeserializer(_Deserializer):
             results.append((label, theirs is not None and _same_bytes(tensor, theirs)))
         return all(ok for _, ok in results), results
 
+    def load_into_module(  # type: ignore[override]
+        self,
+        m: torch.nn.Module,
+        filter_func: FilterFuncType | None = None,
+        verify_hash: bool | None = None,
+    ) -> int:
+        """Register the file's tensors as ``m``'s parameters and buffers (tensorizer's names)."""
+        return super().load_into_module(m, filter_func, verify_hash)
+
     def to_redis(self, *args: Any, **kwargs: Any) -> None:
         """Not supported: tensorstream has no Redis source or sink."""
         raise NotImplementedError(stream_io._REDIS)
@@ -354,6 +363,18 @@ class TensorSerializer(_Serializer):
         if not isinstance(tensor, torch.Tensor):
             tensor = torch.from_numpy(tensor)
         super().write_tensor(idx, name, tensor_type, tensor)
+
+    def write_module(  # type: ignore[override]
+        self,
+        m: torch.nn.Module,
+        remove_tensors: bool = False,
+        *,
+        include_non_persistent_buffers: bool = True,
+    ) -> None:
+        """Write ``m``'s parameters and buffers (tensorizer's argument names)."""
+        super().write_module(
+            m, remove_tensors, include_non_persistent_buffers=include_non_persistent_buffers
+        )
 
     def close(self) -> None:
         """Finish the file, then close ``file_obj`` as tensorizer does."""

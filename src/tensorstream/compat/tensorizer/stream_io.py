@@ -181,6 +181,23 @@ def storage_options(
     return StorageOptions(s3_endpoint=endpoint, s3_region=s3_region_name, **fields)
 
 
+def _open_failure(where: str, exc: SourceError) -> SourceError:
+    """The same error class, with tensorizer's "Failed to open stream" wording in front."""
+    try:
+        return type(exc)(f"Failed to open stream {where}: {exc}")
+    except TypeError:  # an error class with a different constructor
+        return SourceError(f"Failed to open stream {where}: {exc}")
+
+
+def _open_source(uri: str, options: StorageOptions) -> Source:
+    try:
+        return open_source(uri, options)
+    except SourceError as exc:
+        from tensorstream.sources.uri import redact_uri
+
+        raise _open_failure(redact_uri(uri), exc) from exc
+
+
 class _SourceStream(io.RawIOBase):
     """A seekable, read-only file over a tensorstream ``Source`` window ``[begin, end)``."""
 
@@ -190,7 +207,7 @@ class _SourceStream(io.RawIOBase):
             size = source.size
         except SourceError as exc:
             source.close()
-            raise type(exc)(f"Failed to open stream {source.display_uri}: {exc}") from exc
+            raise _open_failure(source.display_uri, exc) from exc
         begin = 0 if begin is None else begin
         end = size if end is None else min(end, size)
         if begin < 0 or end < 0 or begin >= end and (begin, end) != (0, 0):
@@ -260,7 +277,7 @@ class CURLStreamFile(_SourceStream):
         options = storage_options(uri, certificate_handling=certificate_handling)
         if headers:
             options = _with_headers(options, headers)
-        super().__init__(open_source(uri, options), begin, end)
+        super().__init__(_open_source(uri, options), begin, end)
 
 
 def _with_headers(options: StorageOptions, headers: dict[str, str]) -> StorageOptions:
@@ -385,7 +402,7 @@ def open_stream(
             certificate_handling=certificate_handling,
         )
         if "r" in mode:
-            return _SourceStream(open_source(path, options), begin, end)
+            return _SourceStream(_open_source(path, options), begin, end)
         return _SinkStream(open_sink(path, options))
     if scheme not in ("", "file"):
         raise ValueError(f"unsupported URI scheme {scheme!r} in {path!r}")
