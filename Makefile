@@ -6,7 +6,7 @@ PIP     := $(VPY) -m pip
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml scripts/system-deps.sh | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-fast lint bench bench-vllm-peer venv venv-vllm system-deps clean
+.PHONY: demo test test-tensorizer-suite test-fast lint bench bench-vllm-peer venv venv-vllm system-deps clean
 
 $(STAMP):
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ demo: venv system-deps
 
 test: venv system-deps
 	$(VPY) -m pytest -q
+	$(MAKE) test-tensorizer-suite
+
+# tensorizer 2.12.1's own tests, against tensorizer and against tensorstream.compat.tensorizer.
+test-tensorizer-suite: venv system-deps
+	$(VPY) scripts/tensorizer_suite/run.py
 
 test-fast: venv
 	$(VPY) -m pytest -q -m "not slow and not integration"
