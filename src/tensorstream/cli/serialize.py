@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from tensorstream.cli.keys import add_key_options, encryption_from_args
-from tensorstream.errors import ConfigError, SourceNotFoundError
+from tensorstream.errors import SourceNotFoundError
 
 __all__ = ["configure", "run"]
 
@@ -23,7 +23,11 @@ __all__ = ["configure", "run"]
 def configure(parser: argparse.ArgumentParser) -> None:
     """Add the ``serialize`` options."""
     parser.add_argument("src", help="model dir, built-in id, .safetensors or .tensors file")
-    parser.add_argument("dest", help="output .tensors path or s3:// URI")
+    parser.add_argument(
+        "dest",
+        help="output .tensors path or s3:// URI; a directory (existing, or ending in '/') "
+        "gets model.tensors inside",
+    )
     parser.add_argument(
         "--align", type=int, default=64, help="data alignment (1 = tensorizer bytes)"
     )
@@ -54,6 +58,18 @@ def _source_files(src: str) -> list[str]:
     raise SourceNotFoundError(f"{src} is not a model directory, file or URI")
 
 
+def output_path(dest: str) -> str:
+    """``dest``, or ``dest/model.tensors`` when it names a directory (existing, or ending in '/').
+
+    Example:
+        >>> output_path("s3://bucket/models/")
+        's3://bucket/models/model.tensors'
+    """
+    if dest.endswith("/") or ("://" not in dest and os.path.isdir(os.path.expanduser(dest))):
+        return dest.rstrip("/") + "/model.tensors"
+    return dest
+
+
 def run(args: argparse.Namespace) -> int:
     """Read every tensor of SRC and write them to DEST.
 
@@ -62,10 +78,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from tensorstream import TensorDeserializer, TensorSerializer
 
-    if os.path.isdir(os.path.expanduser(args.dest)):
-        raise ConfigError(
-            f"{args.dest} is a directory; give the output file, e.g. {args.dest}/model.tensors"
-        )
+    args.dest = output_path(args.dest)
     encryption = encryption_from_args(args)
     files = _source_files(args.src)
     started = time.perf_counter()

@@ -66,6 +66,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     ser = sub.add_parser("serialize", help="write the model as model.tensors plus its config files")
     ser.add_argument("--serialized-directory", required=True, help="local dir or s3:// root")
     ser.add_argument("--suffix", help="version component of the path (default: random hex)")
+    ser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a model already serialized under this --suffix (refused otherwise)",
+    )
     ser.add_argument("--serialization-kwargs", metavar="JSON", help="TensorSerializer kwargs")
     ser.add_argument(
         "--keyfile",
@@ -133,11 +138,17 @@ def _serialize(args: argparse.Namespace) -> int:
         raise ConfigError(
             "serialize needs --model (before the subcommand): --model M serialize ..."
         )
+    import secrets
+
+    # Printed before the work starts, so it is the first line whatever the logs say later.
+    suffix = args.suffix or secrets.token_hex(16)
+    print(f"suffix: {suffix}", flush=True)
     result = serialize_model(
         SerializeOptions(
             model=args.model,
             serialized_directory=args.serialized_directory,
-            suffix=args.suffix,
+            suffix=suffix,
+            overwrite=args.overwrite,
             dtype=args.dtype,
             revision=args.revision,
             trust_remote_code=args.trust_remote_code,
@@ -150,7 +161,6 @@ def _serialize(args: argparse.Namespace) -> int:
             progress=_progress_wanted(),
         )
     )
-    print(f"suffix: {result.suffix}")
     print(f"serialized {args.model} to {result.directory}")
     print(f"  files: {', '.join(result.files)}")
     print(

@@ -135,7 +135,7 @@ def _local_dir(path: str) -> Path | None:
     if not path.startswith(("/", ".", "~", "file://")) and path.count("/") == 1:
         from tensorstream.engine.resolve import _from_hub
 
-        return _from_hub(path, None)
+        return _from_hub(path, None, kind="adapter")
     raise SourceNotFoundError(
         f"LoRA adapter directory {path} does not exist; give a directory holding "
         f"{ADAPTER_CONFIG} and {ADAPTER_TENSORS} (or a PEFT adapter_model.safetensors)"

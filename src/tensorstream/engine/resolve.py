@@ -203,7 +203,8 @@ def _looks_like_path(raw: str) -> bool:
     return raw.startswith(("/", ".", "~")) or "\\" in raw or raw.count("/") > 1
 
 
-def _from_hub(repo_id: str, revision: str | None) -> Path:
+def _from_hub(repo_id: str, revision: str | None, kind: str = "model") -> Path:
+    """A cached (or, online, downloaded) Hub snapshot; ``kind`` ("model"/"adapter") words errors."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError as exc:
@@ -231,6 +232,13 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
         if offline
         else "the cache or the Hub"
     )
+    if kind == "adapter":
+        raise SourceNotFoundError(
+            f"LoRA adapter {repo_id!r} is not in {where} ({type(last).__name__}: {last}); "
+            f"download it once while online (huggingface-cli download {repo_id}), or pass the "
+            "adapter's directory: a PEFT one (adapter_config.json + adapter_model.safetensors) "
+            "or a serialized one (adapter_model.tensors), local or s3:// / http(s)://"
+        ) from last
     raise SourceNotFoundError(
         f"model {repo_id!r} is not in {where} ({type(last).__name__}: {last}); pass a local "
         f"directory, or use the built-in model {BUILTIN_MODEL_ID!r} (alias 'smollm2-135m'), "

@@ -90,6 +90,8 @@ class SerializeOptions:
         storage: credentials for remote input/output.
         model_loader_extra_config: passed to ``LLM`` when reading the source model.
         progress: draw progress bars.
+        overwrite: replace a ``model.tensors`` already at the output path (otherwise
+            re-using a ``--suffix`` is refused).
     """
 
     model: str
@@ -105,6 +107,7 @@ class SerializeOptions:
     storage: StorageOptions | None = None
     model_loader_extra_config: Mapping[str, Any] = field(default_factory=dict)
     progress: bool = False
+    overwrite: bool = False
 
 
 @dataclass(frozen=True)
@@ -278,6 +281,34 @@ def _encryption_for(keyfile: str, storage: StorageOptions | None) -> tuple[Any, 
     return params, True
 
 
+def config_with_dtype(data: bytes, dtype: Any) -> bytes:
+    """``config.json`` bytes whose ``torch_dtype`` / ``dtype`` say ``dtype`` (the weights')."""
+    import json
+
+    try:
+        config = json.loads(data)
+    except ValueError:
+        return data  # copied as it is; loading reports the broken file
+    name = str(dtype).removeprefix("torch.")
+    keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
+    if all(config.get(k) == name for k in keys):
+        return data
+    for key in keys:
+        config[key] = name
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def _exists(uri: str, storage: StorageOptions | None) -> bool:
+    """True when ``uri`` names an existing object/file."""
+    from tensorstream.sources.registry import open_source
+
+    try:
+        with open_source(uri, storage):
+            return True
+    except SourceNotFoundError:
+        return False
+
+
 def _write_bytes(uri: str, data: bytes, storage: StorageOptions | None) -> None:
     from tensorstream.sources.registry import open_sink
 
@@ -313,6 +344,12 @@ def serialize_model(options: SerializeOptions) -> SerializeResult:
     kwargs.setdefault("progress", options.progress)
     suffix = options.suffix or secrets.token_hex(16)
     directory = output_directory(options.serialized_directory, options.model, suffix)
+    target = join_uri(directory, MODEL_TENSORS)
+    if not options.overwrite and _exists(target, options.storage):
+        raise ConfigError(
+            f"{target} already exists (suffix {suffix!r}); pass --overwrite to replace it, "
+            "or choose another --suffix"
+        )
     adapter = None
     if options.lora_path:
         # Read (and check) the adapter before anything is written.
@@ -333,7 +370,10 @@ def serialize_model(options: SerializeOptions) -> SerializeResult:
         encryption, new_key = _encryption_for(options.keyfile, options.storage)
     files = []
     for path in model_artifacts(llm.location.files_dir):
-        _write_bytes(join_uri(directory, path.name), path.read_bytes(), options.storage)
+        data = path.read_bytes()
+        if path.name == "config.json":
+            data = config_with_dtype(data, llm.dtype)
+        _write_bytes(join_uri(directory, path.name), data, options.storage)
         files.append(path.name)
     if "config.json" not in files:
         raise SourceNotFoundError(f"{llm.location.files_dir} has no config.json to copy")
@@ -348,7 +388,7 @@ def serialize_model(options: SerializeOptions) -> SerializeResult:
         files += ["adapter_config.json", "adapter_model.tensors"]
     started = time.perf_counter()
     with TensorSerializer(
-        join_uri(directory, MODEL_TENSORS), encryption=encryption, storage=options.storage, **kwargs
+        target, encryption=encryption, storage=options.storage, **kwargs
     ) as serializer:
         serializer.write_state_dict(unique_state(llm.model))
     seconds = time.perf_counter() - started
