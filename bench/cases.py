@@ -112,6 +112,24 @@ def _local_cases() -> None:
     register(Case("tensorstream-r4-verify", "tensorstream", "load", "tensorstream_load",
                   "tensorstream", params={"num_readers": 4, "verify_hash": True},
                   fallback_fmt="tensorizer"))  # fmt: skip
+    register(Case("tensorstream-r4-verify-crc32", "tensorstream", "load", "tensorstream_load",
+                  "tensorstream", params={"num_readers": 4, "verify_hash": "crc32"},
+                  note='verify_hash="crc32": the stored CRC32 only (ISA-L)'))  # fmt: skip
+    # The file users already have: written by tensorizer, most tensors at odd offsets.
+    for n in (2, 4):
+        register(Case(f"tensorstream-r{n}-tzfile", "tensorstream", "load", "tensorstream_load",
+                      "tensorizer", params={"num_readers": n},
+                      note="tensorizer's file: unaligned tensors copied into huge-page arenas"))  # fmt: skip
+    register(Case("tensorstream-r4-tzfile-noarena", "tensorstream", "load", "tensorstream_load",
+                  "tensorizer", params={"num_readers": 4, "env": {"TENSORSTREAM_ARENA": "0"}},
+                  caches=("warm",),
+                  note="the same with TENSORSTREAM_ARENA=0 (torch.empty per tensor)"))  # fmt: skip
+    register(Case("tensorstream-r4-verify-tzfile", "tensorstream", "load", "tensorstream_load",
+                  "tensorizer", params={"num_readers": 4, "verify_hash": True},
+                  note="verify_hash=True on tensorizer's file: the same work as tensorizer's"))  # fmt: skip
+    register(Case("tensorstream-r4-crc32-tzfile", "tensorstream", "load", "tensorstream_load",
+                  "tensorizer", params={"num_readers": 4, "verify_hash": "crc32"},
+                  note='verify_hash="crc32" on tensorizer\'s file'))  # fmt: skip
     register(Case("tensorizer-default", "tensorizer", "load", "tensorizer_load", "tensorizer",
                   params={"num_readers": None}, note="num_readers=None (8 for a local file)"))  # fmt: skip
     for n in (1, 4, 8):

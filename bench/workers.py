@@ -101,6 +101,8 @@ def tensorstream_load(spec: Spec) -> Timed:
     if cls is None:
         raise Unavailable("tensorstream.TensorDeserializer is not there yet")
     kwargs = _load_kwargs(spec)
+    # Environment switches read at load time (TENSORSTREAM_ARENA=0 compares allocators).
+    os.environ.update(spec["params"].get("env", {}))
     opts = spec["located"]["options"]
     if opts.get("endpoint"):
         kwargs["storage"] = mod.StorageOptions(
