@@ -27,6 +27,7 @@ VARIANTS = {
     "llama-rope-dynamic": ("llama", dict(rope_scaling=dict(rope_type="dynamic", factor=2.0))),
     "llama-attention-bias": ("llama", dict(attention_bias=True)),
     "mistral": ("mistral", {}),
+    "mistral-sliding-window": ("mistral", dict(sliding_window=6)),
     "qwen2-biases": ("qwen2", {}),
     "qwen3-qk-norm": ("qwen3", {}),
 }

@@ -45,7 +45,7 @@ class KVCache:
         device: torch.device,
         max_length: int,
         rows: int = 4,
-        length: int = 256,
+        length: int = 64,
     ) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device

@@ -108,10 +108,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
-        mask = None
+        mask = batch.mask if batch is not None else None
         if batch is not None and batch.cache is not None:
             k, v = batch.cache.update(self.layer, k, v, batch)
-            mask = batch.mask
         gqa = self.groups > 1
         if mask is None or tokens > 1:
             out = F.scaled_dot_product_attention(
@@ -241,7 +240,12 @@ class NativeCausalLM(nn.Module):
         """Causal forward over whole sequences (no cache); returns ``.logits`` like transformers."""
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None].expand_as(
-            input_ids
-        )
-        return SimpleNamespace(logits=self.logits(self.hidden_states(input_ids, positions, None)))
+        tokens = input_ids.shape[1]
+        steps = torch.arange(tokens, device=input_ids.device)
+        positions = steps[None].expand_as(input_ids)
+        batch = None
+        window = self.config.sliding_window
+        if window is not None and tokens > window:  # causal within the window
+            mask = (steps[None, :] <= steps[:, None]) & (steps[None, :] > steps[:, None] - window)
+            batch = AttentionBatch(None, 0, 0, None, tokens, mask[None, None])
+        return SimpleNamespace(logits=self.logits(self.hidden_states(input_ids, positions, batch)))

@@ -1,0 +1,158 @@
+"""Step-level continuous batching: every request gets exactly the tokens it gets alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tensorstream.engine import LLM, SamplingParams
+from tensorstream.errors import ConfigError
+
+# Prompts of very different lengths, so batched decode rows sit at different positions.
+PROMPTS = [
+    [1, 504, 3458, 5, 906, 42, 17],
+    [7],
+    list(range(100, 160)),
+    [31, 9, 2860],
+    list(range(2000, 2023)),
+]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return LLM(str(tiny("llama")), device="cpu", dtype="float32")
+
+
+def _alone(llm, prompt, n_tokens):
+    params = SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True)
+    return llm.generate({"prompt_token_ids": prompt}, params)[0].outputs[0].token_ids
+
+
+def _drive(core, arrivals, max_tokens):
+    """Add requests at the given steps (arrivals: step -> prompts) and step to the end."""
+    finished, step, ids = {}, 0, {}
+    while arrivals or core.has_unfinished_requests():
+        for prompt_index in arrivals.pop(step, []):
+            params = SamplingParams(
+                temperature=0, max_tokens=max_tokens[prompt_index], ignore_eos=True
+            )
+            ids[core.add_request(PROMPTS[prompt_index], params)] = prompt_index
+        for out in core.step():
+            if out.finished:
+                finished[ids[out.request_id]] = out.outputs[0].token_ids
+        step += 1
+    return finished
+
+
+@pytest.mark.parametrize("chunk", [512, 5])
+def test_staggered_arrivals_equal_alone(llm, chunk):
+    max_tokens = [9, 14, 5, 11, 7]
+    alone = [_alone(llm, p, m) for p, m in zip(PROMPTS, max_tokens, strict=True)]
+    llm.engine.chunk = chunk  # small chunks: long prompts prefill over several steps
+    try:
+        got = _drive(llm.engine, {0: [0, 1], 2: [2], 3: [3], 6: [4]}, max_tokens)
+    finally:
+        llm.engine.chunk = 512
+    assert [got[i] for i in range(len(PROMPTS))] == alone
+
+
+def test_every_running_request_advances_every_step(llm):
+    core = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first = core.add_request(PROMPTS[0], params)
+    assert {o.request_id for o in core.step()} == {first}
+    second = core.add_request(PROMPTS[2], params)
+    # The running request decodes and the new one gets its first token in the same step.
+    outs = {o.request_id: o for o in core.step()}
+    assert set(outs) == {first, second}
+    assert len(outs[first].outputs[0].token_ids) == 2
+    assert len(outs[second].outputs[0].token_ids) == 1
+    while core.has_unfinished_requests():
+        core.step()
+
+
+def test_long_prompt_does_not_stall_running_decodes(llm):
+    core = llm.engine
+    core.chunk = 8
+    try:
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        running = core.add_request(PROMPTS[0], params)
+        core.step()
+        core.add_request(PROMPTS[2], SamplingParams(temperature=0, max_tokens=2))
+        # The 60-token prompt takes 8 steps of 8-token chunks; the running request
+        # still gains one token in each of them.
+        for expected in range(2, 10):
+            outs = {o.request_id: o for o in core.step()}
+            assert len(outs[running].outputs[0].token_ids) == expected
+    finally:
+        core.chunk = 512
+        while core.has_unfinished_requests():
+            core.step()
+
+
+def test_n_completions_and_abort(llm):
+    core = llm.engine
+    alone = _alone(llm, PROMPTS[3], 8)
+    params = SamplingParams(temperature=0, max_tokens=8, n=3, ignore_eos=True)
+    keep = core.add_request(PROMPTS[3], params)
+    drop = core.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))
+    core.step()
+    core.step()
+    core.abort_request(drop)
+    finished = {}
+    while core.has_unfinished_requests():
+        for out in core.step():
+            assert out.request_id != drop
+            if out.finished:
+                finished[out.request_id] = out
+    assert [c.token_ids for c in finished[keep].outputs] == [alone] * 3
+    assert len(core._rows) == 0  # every cache row was released
+
+
+def test_seeded_sampling_is_reproducible_in_a_batch(llm):
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": PROMPTS[0]}, params)[0].outputs[0].token_ids
+    batch = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert batch[0].outputs[0].token_ids == alone
+
+
+def test_penalties_logprobs_and_stop_strings(llm):
+    text = llm.tokenizer.decode(_alone(llm, PROMPTS[0], 6))
+    stop = text[3:6]
+    params = SamplingParams(temperature=0, max_tokens=6, stop=stop, logprobs=2)
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, params)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert stop not in out.text and out.text == text[: text.index(stop)]
+    assert all(len(step) >= 2 for step in out.logprobs)
+    penalised = SamplingParams(temperature=0, max_tokens=12, repetition_penalty=5.0)
+    tokens = llm.generate({"prompt_token_ids": [7]}, penalised)[0].outputs[0].token_ids
+    assert len(set(tokens)) == len(tokens)  # a steep penalty forbids every repeat
+
+
+def test_bf16_batched_equals_alone(tiny):
+    llm = LLM(str(tiny("qwen2")), device="cpu", dtype="bfloat16")
+    alone = [_alone(llm, p, 8) for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    batch = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    assert [o.outputs[0].token_ids for o in batch] == alone
+
+
+def test_kv_cache_grows_past_its_first_length(tiny):
+    llm = LLM(str(tiny("llama")), device="cpu", max_model_len=256)
+    first_length = llm.engine.cache.length
+    prompt = list(range(300, 300 + first_length - 2))
+    got = _alone(llm, prompt, 10)
+    assert llm.engine.cache.length > first_length
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tiny("llama"))
+    with torch.no_grad():
+        out = reference.generate(
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=10, min_new_tokens=10
+        )
+    assert got == out[0, len(prompt) :].tolist()
+
+
+def test_bad_chunk_size_is_refused(tiny):
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        LLM(str(tiny("llama")), device="cpu", max_num_batched_tokens=-1)
