@@ -127,8 +127,52 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="info",
         help="uvicorn log level (default info)",
     )
+    _add_hardening_options(parser)
     add_key_options(parser, for_writing=False)
     add_vllm_options(parser, _defined(parser))
+
+
+def _add_hardening_options(parser: argparse.ArgumentParser) -> None:
+    """What clients may make the server do (tensorstream.server.security/prompts/protocol)."""
+    parser.add_argument(
+        "--enable-runtime-lora-updating",
+        action="store_true",
+        help="allow /v1/load_lora_adapter and /v1/unload_lora_adapter (also "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1); loads only from --lora-allowed-roots",
+    )
+    parser.add_argument(
+        "--lora-allowed-roots",
+        action="append",
+        default=None,
+        metavar="ROOT",
+        help="where runtime adapters may be loaded from: local dir, s3://bucket/prefix or "
+        "https://host/prefix (repeatable, or comma-separated)",
+    )
+    parser.add_argument(
+        "--max-seqs-per-request",
+        type=int,
+        default=256,
+        help="most prompts x n in one request (default 256)",
+    )
+    parser.add_argument(
+        "--chat-template-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a chat template may take to render (default 10)",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="accept a chat_template sent in a request (as vLLM)",
+    )
+    parser.add_argument(
+        "--request-header-timeout",
+        type=float,
+        default=10.0,
+        help="close connections whose request headers are incomplete after this many "
+        "seconds (default 10)",
+    )
 
 
 def _defined(parser: argparse.ArgumentParser) -> set[str]:
@@ -258,8 +302,13 @@ def run(args: argparse.Namespace) -> int:
     from tensorstream.errors import ConfigError
     from tensorstream.server.adapters import parse_lora_modules
     from tensorstream.server.app import ServeOptions, ServerState, create_app
+    from tensorstream.server.protocol import header_timeout_protocol
+    from tensorstream.server.security import runtime_lora_updating_enabled
 
     extra = _checked(args)
+    for flag in ("max_seqs_per_request", "chat_template_timeout", "request_header_timeout"):
+        if getattr(args, flag) <= 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     modules = parse_lora_modules(args.lora_modules)
     if modules and not args.enable_lora:
         raise ConfigError("--lora-modules needs --enable-lora")
@@ -268,6 +317,11 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key or None,
         max_num_seqs=args.max_num_seqs,
         enable_lora=args.enable_lora,
+        runtime_lora_updating=runtime_lora_updating_enabled(args.enable_runtime_lora_updating),
+        lora_allowed_roots=tuple(args.lora_allowed_roots or ()),
+        max_seqs_per_request=args.max_seqs_per_request,
+        chat_template_timeout=args.chat_template_timeout,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     state = ServerState(options)
     app = create_app(state)
@@ -277,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level,
         timeout_graceful_shutdown=args.shutdown_timeout,
+        http=header_timeout_protocol(args.request_header_timeout),
         # The engine thread runs the model; more event-loop threads would not help.
         workers=1,
     )
