@@ -130,6 +130,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     _add_hardening_options(parser)
     add_key_options(parser, for_writing=False)
     add_vllm_options(parser, _defined(parser))
+    parser.epilog = (
+        "Every other `vllm serve` flag is accepted too (--tensor-parallel-size/-tp, "
+        "--gpu-memory-utilization, --enforce-eager, --swap-space, --block-size, "
+        "--enable-prefix-caching, --quantization, ...): a value this engine cannot honour is "
+        "an error naming the flag; a flag with no effect here is named once at WARNING. "
+        "--max_model_len spellings work as in vLLM."
+    )
 
 
 def _add_hardening_options(parser: argparse.ArgumentParser) -> None:
