@@ -75,6 +75,11 @@ DESELECTED: dict[str, str] = {
     "test_stream_io.py::TestS3::test_download_url": (
         "tests the private `stream_io._s3_download_url` (a boto3 presigned URL)"
     ),
+    "test_serialization.py::TestVerification::test_verification_fail": (
+        "patches tensorizer's internal construction of TensorHash objects while it parses "
+        "headers; tensorstream's verifier does not build them (hash mismatches are tested "
+        "in tests/compat)"
+    ),
     "test_stream_io.py::TestS3::test_upload": (
         "moto intercepts boto3 inside the process; tensorstream does not use boto3, so "
         "its upload would go to CoreWeave's real endpoint (internet). S3 uploads through "
@@ -157,7 +162,8 @@ def run_target(
         "-W", "ignore::DeprecationWarning", "tests",
     ]  # fmt: skip
     for nodeid in DESELECTED:
-        cmd += ["--deselect", f"tests/{nodeid}"]
+        # A whole file is ignored (not even imported); single tests are deselected.
+        cmd += ["--deselect" if "::" in nodeid else "--ignore", f"tests/{nodeid}"]
     cmd += extra
     run_env = dict(env, TS_SUITE_TARGET=target, TS_SUITE_RESULTS=str(results))
     log(f"running the suite against {target}")
@@ -197,8 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         os.environ.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1")
         publish_bucket(server, snapshot, scratch)
-        home = scratch / "home"  # no ~/.s3cfg or ~/.aws of the developer leaks in
-        home.mkdir()
+        # A fresh HOME: no ~/.s3cfg or ~/.aws of the developer leaks in. The SeaweedFS
+        # keys go in its ~/.aws files, not in AWS_* variables: the suite's moto set-up
+        # overwrites those variables and its tear-down fails when it finds any.
+        home = scratch / "home"
+        (home / ".aws").mkdir(parents=True)
+        (home / ".aws" / "credentials").write_text(
+            f"[default]\naws_access_key_id = {server.access_key}\n"
+            f"aws_secret_access_key = {server.secret_key}\n"
+        )
+        (home / ".aws" / "config").write_text(f"[default]\nregion = {server.region}\n")
         env = {
             k: v
             for k, v in os.environ.items()
@@ -214,9 +228,6 @@ def main(argv: list[str] | None = None) -> int:
             # The suite's S3 tests read s3://tensorized/... with no endpoint: both
             # libraries then take AWS_ENDPOINT_URL_S3, here the local SeaweedFS.
             AWS_ENDPOINT_URL_S3=server.endpoint,
-            AWS_ACCESS_KEY_ID=server.access_key,
-            AWS_SECRET_ACCESS_KEY=server.secret_key,
-            AWS_DEFAULT_REGION=server.region,
         )
         targets = [args.only] if args.only else ["tensorizer", "compat"]
         results = {
