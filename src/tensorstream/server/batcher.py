@@ -285,8 +285,15 @@ class EngineLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
+                # Waiting requests count too: when a step finishes every running request,
+                # the queue must be admitted now, not when the next HTTP request arrives.
                 while not (
-                    self._inbox or self._aborts or self._commands or self._running or self._stopping
+                    self._inbox
+                    or self._aborts
+                    or self._commands
+                    or self._running
+                    or self._waiting
+                    or self._stopping
                 ):
                     self._cond.wait()
                 inbox, self._inbox = self._inbox, []
