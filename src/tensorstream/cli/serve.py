@@ -195,19 +195,27 @@ def _defined(parser: argparse.ArgumentParser) -> set[str]:
 
 
 def _token_count(text: str) -> int | None:
-    """vLLM's token counts: ``4096``, ``4k`` / ``4K`` (x1000), ``4ki`` (x1024), ``auto``."""
-    value = text.strip().lower()
-    if value in ("auto", "-1"):
+    """vLLM's token counts: ``4096``, ``4k`` (x1000), ``4K`` (x1024), ``auto`` / ``-1`` (None).
+
+    Example:
+        >>> _token_count("2K"), _token_count("2.5k"), _token_count("auto")
+        (2048, 2500, None)
+    """
+    value = text.strip()
+    if value == "-1" or value.lower() == "auto":
         return None
-    scale = 1
-    for suffix, factor in (("ki", 1024), ("mi", 1024**2), ("k", 1000), ("m", 1000**2)):
-        if value.endswith(suffix):
-            value, scale = value[: -len(suffix)], factor
-            break
+    decimal = {"k": 10**3, "m": 10**6, "g": 10**9}
+    binary = {"K": 2**10, "M": 2**20, "G": 2**30}
     try:
-        return int(float(value) * scale)
+        if value and value[-1] in decimal:
+            return int(float(value[:-1]) * decimal[value[-1]])
+        if value and value[-1] in binary:
+            return int(value[:-1]) * binary[value[-1]]
+        return int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (e.g. 4096, 4k)") from None
+        raise argparse.ArgumentTypeError(
+            f"not a token count: {text!r} (e.g. 4096, 4k = 4000, 4K = 4096)"
+        ) from None
 
 
 def normalize_flags(argv: Sequence[str]) -> list[str]:
