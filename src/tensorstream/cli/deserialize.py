@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from tensorstream.cli.keys import add_key_options, decryption_from_args
 
-__all__ = ["configure", "run"]
+__all__ = ["check_device", "configure", "run"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +24,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add_key_options(parser, for_writing=False)
 
 
+def check_device(name: str) -> Any:
+    """The ``torch.device`` for ``--device``, refused up front when it cannot work here.
+
+    Raises:
+        ConfigError: not a device name, or a CUDA device on a machine without one.
+    """
+    import torch
+
+    from tensorstream.errors import ConfigError
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise ConfigError(f"--device {name!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"--device {name}: no CUDA GPU is available here (torch "
+                f"{torch.__version__}, torch.cuda.is_available() is False); use --device cpu"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {name}: this machine has {torch.cuda.device_count()} CUDA "
+                "device(s); pick one of cuda:0.."
+                f"cuda:{torch.cuda.device_count() - 1}"
+            )
+    elif device.type not in ("cpu", "meta"):
+        raise ConfigError(f"--device {name}: only cpu and cuda devices are supported")
+    return device
+
+
 def run(args: argparse.Namespace) -> int:
     """Load every tensor and print bytes, seconds and GB/s.
 
@@ -33,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
     from tensorstream import TensorDeserializer
 
+    device = check_device(args.device)
     encryption = decryption_from_args(args)
     kwargs = {}
     if getattr(args, "require_manifest", False):
@@ -50,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     ) as deserializer:
         count = len(deserializer.index.records)
         nbytes = deserializer.total_tensor_bytes
-        if torch.device(args.device).type == "cuda":
+        if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - started
     print(

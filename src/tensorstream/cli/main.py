@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import signal
 import sys
+import traceback
 from collections.abc import Sequence
 
 from tensorstream.errors import TensorStreamError
@@ -70,6 +73,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_VersionAction)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the traceback of an error (also TENSORSTREAM_DEBUG=1)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     wanted = None
@@ -104,10 +112,74 @@ def _normalized(argv: list[str]) -> list[str]:
     return argv[: position + 1] + list(normalize(argv[position + 1 :]))
 
 
+def _debug_requested(argv: Sequence[str]) -> bool:
+    if os.environ.get("TENSORSTREAM_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    return "--debug" in argv
+
+
+def _quiet_stdout() -> None:
+    """The reader of our stdout went away (``| head``): stop writing, like ``cat`` would.
+
+    Pointing the descriptor at /dev/null keeps the interpreter's final flush from
+    raising BrokenPipeError again on the way out.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = _normalized(list(sys.argv[1:] if argv is None else argv))
+    """Run the ``tensorstream`` command; returns the exit status.
+
+    Whatever happens, the user sees one line on stderr, never a traceback: ``error: ...``
+    (status 2) for a tensorstream error, ``interrupted`` (130) on Ctrl-C, nothing (141,
+    like a process killed by SIGPIPE) when the reader of stdout closed the pipe, and
+    for an unexpected exception a line saying it is a bug (status 1); ``--debug`` or
+    ``TENSORSTREAM_DEBUG=1`` shows that traceback.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = _debug_requested(argv)
+    try:
+        return _run(argv)
+    except TensorStreamError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        _quiet_stdout()
+        return 128 + signal.SIGPIPE
+    except Exception as exc:  # noqa: BLE001 - the last line of defence of the CLI
+        if debug:
+            traceback.print_exc()
+            return 1
+        print(
+            f"error: unexpected {type(exc).__name__}: {_one_line(exc)[:300]} -- this is a bug in "
+            "tensorstream; rerun with --debug (or TENSORSTREAM_DEBUG=1) for the traceback and "
+            "report it",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _run(argv: list[str]) -> int:
+    # --debug is read by main() and accepted anywhere on the line, also after a subcommand.
+    argv = _normalized([a for a in argv if a != "--debug"])
     parser = build_parser(argv)
-    args = parser.parse_args(argv)
+    from tensorstream.cli.suggest import parse_with_suggestions
+
+    args = parse_with_suggestions(parser, argv)  # a typo names the subcommand's flags
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
@@ -115,14 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = getattr(args, "_run", None)
     if run is None:
         parser.error(f"the {args.command!r} command is not available in this installation")
-    try:
-        return int(run(args) or 0)
-    except TensorStreamError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    status = int(run(args) or 0)
+    sys.stdout.flush()  # a closed pipe shows up here, inside the handler, not at exit
+    return status
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import fcntl
 import logging
 import os
 import re
+import stat
 import tempfile
 import threading
 import time
@@ -75,7 +76,12 @@ class LocalSource(Source):
             self._fd = os.open(self._path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         except OSError as exc:
             raise _open_error(self._path, exc, "reading") from exc
-        self._size = os.fstat(self._fd).st_size
+        info = os.fstat(self._fd)
+        if stat.S_ISDIR(info.st_mode):  # open(2) accepts a directory; reading it fails
+            os.close(self._fd)
+            self._fd = -1
+            raise _open_error(self._path, IsADirectoryError(self._path), "reading")
+        self._size = info.st_size
 
     @property
     def size(self) -> int:
@@ -97,7 +103,13 @@ class LocalSource(Source):
         want = len(buf)
         done = 0
         while done < want:
-            n = os.preadv(self._fd, [buf[done:]], offset + done)
+            try:
+                n = os.preadv(self._fd, [buf[done:]], offset + done)
+            except OSError as exc:  # EIO from a failing disk, ESTALE on NFS...
+                raise SourceError(
+                    f"reading {want} bytes at offset {offset + done} of {self._path} failed: "
+                    f"{exc.strerror or exc}; check the disk or mount"
+                ) from exc
             if n == 0:
                 raise TruncatedFileError(
                     f"{self._path} ends at byte {offset + done}, expected {want - done} more "
