@@ -7,7 +7,14 @@ bf16 weights, SmolLM2's tokenizer), each in a fresh process, warm page cache:
   by ``tensorstream tensorize``;
 * ``tensorstream-s3``: the same directory in SeaweedFS on loopback (``s3://``);
 * ``transformers``: ``AutoModelForCausalLM.from_pretrained`` of the safetensors directory
-  (bf16), the usual path.
+  (bf16), the usual path;
+* ``tensorstream-local-old``: the local case through the transformers model code
+  (``model_impl="transformers"``, the engine before native models).
+
+Each tensorstream child also reports its breakdown (interpreter start, ``import torch``,
+our imports, weight read, build, first forward). ``--decode`` adds decode tokens/s at
+1 and 16 concurrent requests (native vs the old path); ``--kv-layout`` times a decode
+step's attention over the slab view vs a gathered (paged-style) copy of the same keys.
 
 The clock starts before the child process is spawned and stops when it reports its
 first token, so interpreter start-up and imports count for everyone.
@@ -30,8 +37,10 @@ PROMPT = "The capital of France is"
 
 _CHILD = r"""
 import json, sys, time
+marks = {"interpreter": time.time()}
 kind, path = sys.argv[1], sys.argv[2]
 import torch
+marks["torch_import"] = time.time()
 if kind == "transformers":
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)
@@ -41,10 +50,33 @@ if kind == "transformers":
     token = int(out[0, -1])
 else:
     from tensorstream.engine import LLM, SamplingParams
-    llm = LLM(path, load_format="tensorizer", dtype="bfloat16")
+    marks["our_imports"] = time.time()
+    impl = "transformers" if kind == "tensorstream-old" else "auto"
+    llm = LLM(path, load_format="tensorizer", dtype="bfloat16", model_impl=impl)
+    marks["loaded"] = time.time()
+    marks["read_s"] = llm.load_stats.read_seconds
+    marks["build_s"] = llm.load_stats.build_seconds
     out = llm.generate(sys.argv[3], SamplingParams(max_tokens=1, temperature=0.0))
     token = out[0].outputs[0].token_ids[0]
-print("FIRST_TOKEN " + json.dumps({"token": token}), flush=True)
+marks["first_token"] = time.time()
+print("FIRST_TOKEN " + json.dumps({"token": token, "marks": marks}), flush=True)
+"""
+
+_DECODE_CHILD = r"""
+import json, sys, time
+from tensorstream.engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="bfloat16", model_impl=sys.argv[2])
+params = SamplingParams(temperature=0, max_tokens=int(sys.argv[3]), ignore_eos=True)
+prompts = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
+llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4))  # warm-up
+result = {}
+for clients in (1, 16):
+    batch = [prompts[i % 2] + " " * (i // 2) for i in range(clients)]
+    started = time.perf_counter()
+    outs = llm.generate(batch, params)
+    seconds = time.perf_counter() - started
+    result[clients] = sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+print("DECODE " + json.dumps(result), flush=True)
 """
 
 
@@ -98,7 +130,56 @@ def _warm(directory: Path) -> None:
                     pass
 
 
+def _breakdown(marks: dict, spawned: float) -> str:
+    """Seconds per phase of one tensorstream child, from its wall-clock marks."""
+    if "loaded" not in marks:
+        return ""
+    phases = {
+        "interpreter": marks["interpreter"] - spawned,
+        "torch": marks["torch_import"] - marks["interpreter"],
+        "ours": marks["our_imports"] - marks["torch_import"],
+        "read": marks["read_s"],
+        "build": marks["build_s"],
+        "load_total": marks["loaded"] - marks["our_imports"],
+        "first_forward": marks["first_token"] - marks["loaded"],
+    }
+    return " ".join(f"{k} {v:.2f}" for k, v in phases.items())
+
+
+def _decode_rates(model_dir: Path, impl: str, tokens: int, env: dict[str, str]) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", _DECODE_CHILD, str(model_dir), impl, str(tokens)],
+        capture_output=True, text=True, env=env, cwd=REPO, check=True,
+    )  # fmt: skip
+    line = next(x for x in done.stdout.splitlines() if x.startswith("DECODE "))
+    return json.loads(line.split(" ", 1)[1])
+
+
+def _kv_layout(steps: int = 30) -> None:
+    """Decode-step attention of SmolLM2's shape (16 rows, 512 cached tokens, 30 layers):
+    SDPA over a slab view vs over keys gathered from scattered rows (what pages need)."""
+    import torch
+    import torch.nn.functional as F
+
+    rows, kv, d, length, layers = 16, 3, 64, 512, 30
+    slab = torch.randn(64, kv, 1024, d, dtype=torch.bfloat16)
+    q = torch.randn(rows, kv, 3, d, dtype=torch.bfloat16)
+    mask = torch.ones(rows, 1, 1, length, dtype=torch.bool)
+    scattered = torch.randperm(64)[:rows]
+    for name, read in (
+        ("slab view", lambda: slab[:rows, :, :length]),
+        ("gathered", lambda: slab.index_select(0, scattered)[:, :, :length].contiguous()),
+    ):
+        started = time.perf_counter()
+        for _ in range(steps * layers):
+            keys = read()
+            F.scaled_dot_product_attention(q, keys, keys, attn_mask=mask)
+        per_step = (time.perf_counter() - started) / steps * 1000
+        print(f"kv layout {name:10}: {per_step:6.2f} ms per decode step (attention only)")
+
+
 def _run_child(kind: str, path: str, env: dict[str, str]) -> tuple[float, int]:
+    spawned = time.time()
     started = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-c", _CHILD, kind, path, PROMPT],
@@ -108,9 +189,11 @@ def _run_child(kind: str, path: str, env: dict[str, str]) -> tuple[float, int]:
     for line in proc.stdout:
         if line.startswith("FIRST_TOKEN "):
             elapsed = time.perf_counter() - started
-            token = json.loads(line.split(" ", 1)[1])["token"]
+            report = json.loads(line.split(" ", 1)[1])
             proc.wait(timeout=120)
-            return elapsed, token
+            if report.get("marks"):
+                print(f"    {kind}: {_breakdown(report['marks'], spawned)}", flush=True)
+            return elapsed, report["token"]
     _, err = proc.communicate(timeout=60)
     raise RuntimeError(f"{kind} {path} produced no token:\n{err[-2000:]}")
 
@@ -121,17 +204,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mib", type=int, default=1536, help="synthetic model size")
     ap.add_argument("--cache-dir", type=Path, default=REPO / ".bench" / "cold-start")
     ap.add_argument("--json", type=Path, default=None, help="write raw figures here")
+    ap.add_argument("--smollm2-only", action="store_true", help="skip the synthetic model")
+    ap.add_argument("--no-s3", action="store_true", help="skip the S3 case")
+    ap.add_argument(
+        "--decode",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="also measure decode tok/s (1 and 16 requests of TOKENS tokens)",
+    )
+    ap.add_argument("--kv-layout", action="store_true", help="only time the KV layouts")
     args = ap.parse_args(argv)
+    if args.kv_layout:
+        _kv_layout()
+        return 0
 
     from tensorstream.engine.builtin import materialize_builtin
 
     args.cache_dir.mkdir(parents=True, exist_ok=True)
-    models = {
-        "smollm2-135m": materialize_builtin(),
-        f"llama-{args.size_mib}mib": _synthetic_llama(
+    models = {"smollm2-135m": materialize_builtin()}
+    if not args.smollm2_only:
+        models[f"llama-{args.size_mib}mib"] = _synthetic_llama(
             args.cache_dir / f"llama-{args.size_mib}mib", args.size_mib
-        ),
-    }
+        )
     sys.path.insert(0, str(REPO))
     from tests.servers.seaweed import S3Server
 
@@ -157,8 +252,11 @@ def main(argv: list[str] | None = None) -> int:
             cases = {
                 "tensorstream-local": ("tensorstream", str(tensorized)),
                 "tensorstream-s3": ("tensorstream", f"s3://bench/{prefix}"),
+                "tensorstream-local-old": ("tensorstream-old", str(tensorized)),
                 "transformers": ("transformers", str(model_dir)),
             }
+            if args.no_s3:
+                del cases["tensorstream-s3"]
             tokens = {}
             for case, (kind, path) in cases.items():
                 times = []
@@ -175,6 +273,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"(min {min(times):.2f}, max {max(times):.2f})", flush=True)  # fmt: skip
             if len(set(tokens.values())) != 1:
                 print(f"WARNING: first tokens differ for {name}: {tokens}", flush=True)
+            if args.decode:
+                for impl in ("native", "transformers"):
+                    rates = _decode_rates(model_dir, impl, args.decode, env)
+                    print(f"{name:16} decode {impl:12} " + ", ".join(
+                        f"{c} requests {r:.1f} tok/s" for c, r in rates.items()), flush=True)  # fmt: skip
     finally:
         server.stop()
     print("\n| model | case | median s | vs transformers |\n|---|---|---:|---:|")
