@@ -343,9 +343,14 @@ class S3Sink(Sink):
         self._bucket, self._key = uri.bucket, uri.key
         self.display_uri = _display(uri.bucket, uri.key)
         self._creds = resolve_s3_credentials(opts)
-        self._target = _Target(
-            _client(self._creds, opts), self._creds, uri.bucket, uri.key, self.display_uri
-        )
+        try:
+            client = _client(self._creds, opts)
+        except Exception as exc:  # botocore's own types (bad region, endpoint, config)
+            raise ConfigError(
+                f"{self.display_uri}: cannot set up the S3 client ({type(exc).__name__}: "
+                f"{exc}); used {self._creds.describe()}. Check the endpoint and the region"
+            ) from exc
+        self._target = _Target(client, self._creds, uri.bucket, uri.key, self.display_uri)
         self._part_size = part_size
         self._first_cap = max(part_size, _MIN_FIRST_PART)
         self._first = bytearray()
