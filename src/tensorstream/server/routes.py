@@ -131,7 +131,14 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> PlainTex
     state = _state(request)
     state.require_ready()
     check_body(body)
-    await state.adapters.load_runtime(body.lora_name, body.lora_path, body.encryption_keyfile)
+    try:
+        await state.adapters.load_runtime(body.lora_name, body.lora_path, body.encryption_keyfile)
+    except APIError as exc:
+        state.metrics.adapter_loads.labels(
+            result="refused" if exc.status == 403 else "failed"
+        ).inc()
+        raise
+    state.metrics.adapter_loads.labels(result="ok").inc()
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
