@@ -16,6 +16,12 @@ def llm(tiny_model):
     return LLM(str(tiny_model("llama")), device="cpu", seed=1234)
 
 
+@pytest.fixture(scope="module")
+def cohort_llm(tiny_model):
+    """The transformers model code and the cohort EngineCore (the fallback path)."""
+    return LLM(str(tiny_model("llama")), device="cpu", seed=1234, model_impl="transformers")
+
+
 def test_seeded_sampling_reproducible(llm):
     params = SamplingParams(temperature=1.0, max_tokens=10, seed=7, ignore_eos=True)
     first = llm.generate(PROMPT, params)[0].outputs[0].token_ids
@@ -58,7 +64,8 @@ def test_stop_strings_and_tokens(llm):
     assert by_id.token_ids == full.token_ids[: full.token_ids.index(token) + 1]
 
 
-def test_eos_stops_unless_ignored(llm):
+def test_eos_stops_unless_ignored(cohort_llm):
+    llm = cohort_llm
     first = (
         llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].token_ids
     )
@@ -104,7 +111,8 @@ def test_requests_join_between_steps(llm):
     assert not core.has_unfinished_requests()
 
 
-def test_cohorts_arriving_at_different_steps_share_one_batch(llm):
+def test_cohorts_arriving_at_different_steps_share_one_batch(cohort_llm):
+    llm = cohort_llm
     """Three requests joining at steps 0, 2 and 3 decode as one batch once running, their
     tokens equal to each one run alone; when the longest finishes, the padding it forced
     on the others is trimmed away."""
