@@ -86,6 +86,21 @@ def test_short_body_through_the_deserializer_is_ours(http_server, fault_proxy) -
     assert name in str(info.value)
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("cut_at", [40, 120, 200, 250])
+def test_cut_inside_response_headers_is_retried(http_server, fault_proxy, cut_at: int) -> None:
+    """A cut inside the headers left a truncated Content-Length/Content-Range, which was
+    reported as "changed while it was being read" (or an unusable Content-Range)."""
+    name = "hardening-cut-headers.bin"
+    (http_server.root / name).write_bytes(DATA)
+    proxy = fault_proxy(http_server.base_url)
+    proxy.set_mode("cut", after_bytes=cut_at, times=1)  # the probe
+    src = HttpSource(parse_uri(f"{proxy.url}/{name}"), FAST)
+    proxy.set_mode("cut", after_bytes=cut_at, times=1)  # the ranged GET
+    assert src.read(1000, 50_000) == DATA[1000:51_000]
+    assert proxy.stats.faults == 2
+
+
 # -- ca_bundle is for HTTPS only ------------------------------------------------
 
 

@@ -205,10 +205,13 @@ class RangedHttp:
                 match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
                 if not match or match.group(3) == "*":
                     _finish(resp)
-                    raise SourceError(
+                    error = SourceError(
                         f"{self.display_uri} answered a Range request without a usable "
                         f"Content-Range ({headers.get('Content-Range')!r}); cannot learn its size"
                     )
+                    if self._ask_again(budget, error, 0):
+                        continue
+                    raise error
                 try:
                     resp.read()
                 except _TRANSPORT_ERRORS as exc:
@@ -333,10 +336,20 @@ class RangedHttp:
                 continue
             status = resp.status
             if status == 206 and info.supports_ranges:
-                self._check_same(resp, start, stop)
+                try:
+                    self._check_same(resp, start, stop)
+                except SourceError as exc:
+                    if self._ask_again(budget, exc, start):
+                        continue
+                    raise
                 return resp
             if status == 200 and (start == 0 or not info.supports_ranges):
-                self._check_same(resp, None, None)
+                try:
+                    self._check_same(resp, None, None)
+                except SourceError as exc:
+                    if self._ask_again(budget, exc, start):
+                        continue
+                    raise
                 if start:
                     # No Range support: resuming means reading again from byte 0.
                     try:
@@ -353,6 +366,19 @@ class RangedHttp:
                     "a proxy may be stripping Range; load with one reader or bypass the proxy"
                 )
             self._status_failure(resp, budget, start, probing=False)
+
+    def _ask_again(self, budget: RetryBudget, error: SourceError, offset: int) -> bool:
+        """Whether to repeat a request whose headers made no sense, once.
+
+        A connection cut inside the response headers leaves http.client with the
+        headers received so far, so a truncated ``Content-Length`` or ``Content-Range``
+        looks like a changed object. Asking again tells the two apart: a cut heals, a
+        changed object answers the same way twice.
+        """
+        if budget.failures or self._options.max_retries < 1:
+            return False
+        budget.fail(f"{error} (asking again in case the headers were cut)", offset)
+        return True
 
     def _discard(self, resp: urllib3.BaseHTTPResponse, n: int) -> None:
         scratch = memoryview(bytearray(min(n, _CHUNK)))
