@@ -305,9 +305,12 @@ class LocalSink(Sink):
         if self._done:
             return
         self._done = True
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        # Forget the descriptor before closing it: writer threads still running (abort
+        # can come from a signal handler) then fail with EBADF instead of writing into
+        # whatever file reuses the number.
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
         try:
             os.unlink(self._tmp)
         except FileNotFoundError:
