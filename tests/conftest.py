@@ -15,6 +15,7 @@ what to install; it never skips.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 
@@ -28,6 +29,10 @@ except ImportError:  # rootdir-style conftest: pytest put tests/ itself on sys.p
     from servers.faultproxy import FaultProxy
     from servers.nginx import NGINX_HINT, HTTPServer
     from servers.seaweed import S3Server
+
+# tests/vllm_plugin runs inside .venv-vllm only (`make test-vllm`); the main suite never
+# collects it.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_plugin"]
 
 # Set for the whole run: tests must never reach the Hugging Face Hub or a real AWS
 # account. Library code reads these at import time, so they are set at configure

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["TensorstreamLoRAResolver", "lora_cache_dir", "materialize_lora", "register_resolver"]
+__all__ = ["lora_cache_dir", "materialize_lora", "register_resolver"]
 
 ROOT_ENV = "TENSORSTREAM_LORA_ROOT"
 KEYFILE_ENV = "TENSORSTREAM_LORA_KEYFILE"

@@ -40,7 +40,9 @@ def _as_bool(value: Any, what: str) -> bool:
         return bool(value)
     if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
         return value.strip().lower() in _TRUE
-    raise ConfigError(f"{what} must be true or false (or the strings 'True'/'False'), got {value!r}")
+    raise ConfigError(
+        f"{what} must be true or false (or the strings 'True'/'False'), got {value!r}"
+    )
 
 
 def _as_number(value: Any, kind: type, what: str) -> Any:
@@ -133,7 +135,9 @@ class VllmLoadOptions:
         parsed = TensorizerLoadOptions.from_extra(flat)
         storage_defaults = _storage_defaults()
         stream = coerce_scalars(
-            dict(parsed.stream_kwargs), storage_defaults, "model_loader_extra_config['stream_kwargs']"
+            dict(parsed.stream_kwargs),
+            storage_defaults,
+            "model_loader_extra_config['stream_kwargs']",
         )
         storage_values = {
             "s3_access_key_id": parsed.s3_access_key_id,
