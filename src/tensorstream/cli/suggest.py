@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import difflib
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 __all__ = ["parse_with_suggestions", "suggestions"]
 
@@ -49,20 +50,43 @@ def _innermost(
     return parser
 
 
+def _parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """``parser`` and every subcommand parser below it."""
+    found = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _parsers(sub)
+    return found
+
+
 def parse_with_suggestions(
     parser: argparse.ArgumentParser, argv: Sequence[str]
 ) -> argparse.Namespace:
     """``parser.parse_args(argv)``, but unknown flags are reported by the subcommand's parser.
 
     Exits with status 2 (argparse's) after printing the subcommand's usage, the unknown
-    arguments and, where one is close, the flag that was probably meant.
+    arguments and, where one is close, the flag that was probably meant. A typo in a
+    required flag makes the subcommand report the missing flag; the hint is added there
+    too.
     """
+    parsers = _parsers(parser)
+    known = {f for p in parsers for action in p._actions for f in action.option_strings}
+    typos = [a for a in argv if a.startswith("--") and a.split("=", 1)[0] not in known]
+    for each in parsers:
+        each.error = _with_hints(each, typos)  # type: ignore[method-assign]
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        sub = _innermost(parser, args)
-        message = f"unrecognized arguments: {' '.join(unknown)}"
-        hints = suggestions(unknown, sub)
-        if hints:
-            message += "; " + "; ".join(hints)
-        sub.error(message)
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     return args
+
+
+def _with_hints(parser: argparse.ArgumentParser, typos: list[str]) -> Any:
+    original = parser.error
+
+    def error(message: str) -> NoReturn:
+        hints = suggestions(typos, parser)
+        original(message + ("; " + "; ".join(hints) if hints else ""))
+        raise AssertionError("argparse's error() returned")  # pragma: no cover
+
+    return error

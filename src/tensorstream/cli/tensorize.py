@@ -203,8 +203,8 @@ def _deserialize(args: argparse.Namespace) -> int:
     name = args.served_model_name or llm.model_name
     print(
         f"loaded {name} from {stats.uri} ({stats.load_format}, dtype {str(llm.dtype).removeprefix('torch.')}, "
-        f"{llm.device}): {stats.bytes / 1e6:.1f} MB in {stats.seconds:.2f} s; "
-        f"read {stats.read_seconds:.2f} s ({stats.gb_per_s:.2f} GB/s), build {stats.build_seconds:.2f} s"
+        f"{llm.device}): {stats.bytes / 1e6:.1f} MB usable after {stats.seconds:.2f} s; "
+        f"{stats.describe().partition(', ')[2]}"
     )
     lora = None
     if args.lora_path:
