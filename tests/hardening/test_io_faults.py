@@ -230,7 +230,7 @@ def tiny_fs(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
-@pytest.mark.parametrize("direct_io", [False, None])
+@pytest.mark.parametrize("direct_io", [False, None, True])
 def test_full_disk_is_a_source_error_and_leaves_nothing(tiny_fs: Path, direct_io) -> None:
     """Regression: ENOSPC surfaced as a bare OSError."""
     target = tiny_fs / "big.tensors"
