@@ -99,13 +99,19 @@ class FileObjectSource(Source):
     def read_into(self, offset: int, buf: memoryview) -> None:
         done = 0
         with self._lock:
-            self._f.seek(offset)
-            # A raw file's readinto() may return fewer bytes than asked before the end.
-            while done < len(buf):
-                got = self._f.readinto(buf[done:])  # type: ignore[attr-defined]
-                if not got:
-                    break
-                done += got
+            try:
+                self._f.seek(offset)
+                # A raw file's readinto() may return fewer bytes than asked before the end.
+                while done < len(buf):
+                    got = self._f.readinto(buf[done:])  # type: ignore[attr-defined]
+                    if not got:
+                        break
+                    done += got
+            except OSError as exc:
+                raise SourceError(
+                    f"reading {len(buf)} bytes at offset {offset + done} of {self.display_uri} "
+                    f"failed: {exc.strerror or exc}"
+                ) from exc
         if done != len(buf):
             raise TruncatedFileError(
                 f"{self.display_uri}: read of {len(buf)} bytes at offset {offset} got {done}; "
