@@ -12,13 +12,14 @@ from typing import Any
 
 from tensorstream.deserialize.index import TensorRecord
 from tensorstream.errors import ConfigError, DecryptionError, FormatError
-from tensorstream.formats.tensorizer import TensorHeader
+from tensorstream.formats.tensorizer import TensorHeader, unpack_tensor_header
 
 __all__ = ["RecordDecryptor", "refuse_hidden_crypt_info"]
 
 #: CryptInfo chunk types (tensorstream.crypto.cryptinfo), repeated here so that a
 #: plain load never imports the crypto package.
 _CHUNK_TYPES = (1, 2, 3)
+_U64 = struct.Struct("<Q")
 
 
 def _looks_like_crypt_info(body: bytes) -> bool:
@@ -53,18 +54,16 @@ def refuse_hidden_crypt_info(
     Raises:
         FormatError: naming the tensor, its header offset and the file's version.
     """
-    from tensorstream.formats.tensorizer import unpack_tensor_header
-
-    view = memoryview(header)
-    stop = len(view) - 8  # data_length closes every header
-    if parsed.hash_spans:
-        start = max(end for _, end in parsed.hash_spans)
+    stop = len(header) - 8  # data_length closes every header
+    spans = parsed.hash_spans
+    if spans:
+        start = spans[-1][1]  # hash values come in order: the last one ends the section
         if stop - start < 10:
-            return  # no room for a CryptInfo block: the common, fast case
-        (clen,) = struct.unpack_from("<Q", view, start)
+            return  # no room for a CryptInfo block
+        (clen,) = _U64.unpack_from(header, start)
         if clen < 2 or start + 8 + clen > stop:
-            return
-        body = bytes(view[start + 8 : start + 8 + clen])
+            return  # zero padding (aligned plain files): the common, fast case
+        body = bytes(header[start + 8 : start + 8 + clen])
     else:
         try:
             body = (
