@@ -159,7 +159,7 @@ def run_target(
     cmd = [
         sys.executable, "-m", "pytest", "-q", "-p", "suite_plugin", "-p", "no:cacheprovider",
         "-c", str(tests.parent / "pytest.ini"), "--rootdir", str(tests.parent),
-        "-W", "ignore::DeprecationWarning", "tests",
+        "-W", "ignore::DeprecationWarning", "--durations=5", "tests",
     ]  # fmt: skip
     for nodeid in DESELECTED:
         # A whole file is ignored (not even imported); single tests are deselected.

@@ -68,16 +68,24 @@ _patch_lock = threading.Lock()
 _patch_count = {"save": 0, "load": 0}
 
 
+def _untyped(storage: Any) -> torch.UntypedStorage:
+    if isinstance(storage, torch.UntypedStorage):
+        return storage
+    # TypedStorage.untyped() warns that TypedStorage is deprecated; the attribute does not.
+    inner = getattr(storage, "_untyped_storage", None)
+    return inner if inner is not None else storage.untyped()
+
+
 def _storage_tensor(storage: Any) -> torch.Tensor:
     """A uint8 tensor over all of ``storage``'s bytes (no copy)."""
-    untyped = storage if isinstance(storage, torch.UntypedStorage) else storage.untyped()
+    untyped = _untyped(storage)
     t = torch.empty((0,), dtype=torch.uint8, device=untyped.device)
     t.set_(untyped)
     return t
 
 
 def _has_data(storage: Any) -> bool:
-    untyped = storage if isinstance(storage, torch.UntypedStorage) else storage.untyped()
+    untyped = _untyped(storage)
     return untyped.device.type != "meta" and untyped.data_ptr() != 0
 
 
