@@ -58,8 +58,9 @@ class LLM:
         load_format: "auto" (``model.tensors`` -> tensorizer, ``*.safetensors`` -> safetensors),
             "tensorizer" or "safetensors".
         dtype: "auto" (the config's dtype), "float16", "bfloat16", "float32", or a torch dtype.
-        enable_lora: accept ``lora_request`` arguments (adapters are applied with peft,
-            chosen per request, several in one batch).
+        enable_lora: accept ``lora_request`` arguments (adapters chosen per request,
+            several in one batch; plain low-rank matmuls on the native model code, peft
+            on the transformers one).
         max_loras: adapters loaded at once (the least recently used idle one is evicted).
         max_lora_rank: highest adapter rank accepted.
         model_loader_extra_config: loader options, a dict or a JSON string (tensorizer keys:
@@ -149,7 +150,6 @@ class LLM:
             self.model_impl = choose_model_impl(
                 model_impl,
                 self.location.files_dir,
-                enable_lora=self.enable_lora,
                 tokenizer_dir=tokenizer or self.location.files_dir,
             )
             if self.model_impl == "native":
@@ -220,6 +220,7 @@ class LLM:
                 eos_token_ids=eos,
                 seed=seed,
                 max_num_batched_tokens=max_num_batched_tokens or 512,
+                lora_manager=self.lora_manager,
             )
         else:
             self.engine = EngineCore(
@@ -239,7 +240,10 @@ class LLM:
         flat = {**extra, **(nested if isinstance(nested, Mapping) else {})}
         keys = ("encryption_keyfile", "s3_access_key_id", "s3_secret_access_key", "s3_endpoint")
         defaults = AdapterOptions.from_config({k: flat[k] for k in keys if flat.get(k)})
-        return LoRAManager(
+        manager_class: Any = LoRAManager
+        if self.model_impl == "native":  # plain low-rank matmuls per row group, no peft
+            from tensorstream.engine.models.lora import NativeLoRAManager as manager_class
+        return manager_class(
             self.model,
             max_loras=self.max_loras,
             max_lora_rank=self.max_lora_rank,

@@ -350,6 +350,12 @@ def check_adapter_fits(model_config: Any, adapter: LoadedAdapter, name: str = "a
         ConfigError: the adapter was made for another model (missing target modules,
             shape mismatch), or it is not a plain LoRA adapter.
     """
+    from tensorstream.engine.models import NativeConfig
+
+    if isinstance(model_config, NativeConfig):  # the native model code: no peft involved
+        from tensorstream.engine.models.lora import check_native_adapter_fits
+
+        return check_native_adapter_fits(model_config, adapter, name)
     import transformers
 
     with torch.device("meta"):

@@ -53,6 +53,8 @@ class NativeEngineCore(EngineCore):
         seed: seeds the generator of requests that bring no seed of their own.
         max_num_seqs: most sequences running at once; later requests wait.
         max_num_batched_tokens: prompt tokens prefilled per step (the chunk size).
+        lora_manager: a :class:`~tensorstream.engine.models.lora.NativeLoRAManager` over
+            ``model``; without one, requests with a ``lora_request`` are refused.
     """
 
     def __init__(
@@ -65,9 +67,15 @@ class NativeEngineCore(EngineCore):
         seed: int | None = None,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 512,
+        lora_manager: Any = None,
     ) -> None:
         super().__init__(
-            model, tokenizer, max_model_len=max_model_len, eos_token_ids=eos_token_ids, seed=seed
+            model,
+            tokenizer,
+            max_model_len=max_model_len,
+            eos_token_ids=eos_token_ids,
+            seed=seed,
+            lora_manager=lora_manager,
         )
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -144,9 +152,10 @@ class NativeEngineCore(EngineCore):
         ids = torch.tensor([[r.seq.token_ids[-1]] for r in rows], device=self.device)
         uniform = min(positions) == key_len - 1 and (self.window is None or key_len <= self.window)
         mask = None if uniform else self._mask(pos[:, None], key_len)
-        batch = AttentionBatch(self.cache, slice(0, n), None, pos, key_len, mask)
+        adapters = self._adapters([r.seq for r in rows])
+        batch = AttentionBatch(self.cache, slice(0, n), None, pos, key_len, mask, adapters)
         hidden = self.model.hidden_states(ids, pos[:, None], batch)
-        logits = self.model.logits(hidden[:, -1])
+        logits = self.model.logits(hidden[:, -1], adapters)
         for r in rows:
             r.cached += 1
         self._sample_rows([r.seq for r in rows], logits, touched)
@@ -167,15 +176,22 @@ class NativeEngineCore(EngineCore):
             positions = torch.arange(start, end, device=self.device)[None]
             plain = start == 0 and (self.window is None or end <= self.window)
             mask = None if plain else self._mask(positions, end)
-            batch = AttentionBatch(self.cache, entry.row, start, None, end, mask)
+            adapters = self._adapters([entry.seq])
+            batch = AttentionBatch(self.cache, entry.row, start, None, end, mask, adapters)
             hidden = self.model.hidden_states(ids, positions, batch)
             entry.cached = end
             if end < len(prompt):
                 self._prefilling = entry
                 continue
             self._prefilling = None
-            logits = self.model.logits(hidden[:, -1])
+            logits = self.model.logits(hidden[:, -1], adapters)
             self._start_decoding(entry, logits, touched)
+
+    def _adapters(self, sequences: list[_Sequence]) -> Any:
+        """The rows' LoRA adapters for one forward (None: every row runs the base model)."""
+        if self.lora_manager is None:
+            return None
+        return self.lora_manager.batch([seq.request.adapter for seq in sequences])
 
     def _admit(self) -> _Row | None:
         """Give the oldest waiting request a row, if one fits."""

@@ -193,6 +193,7 @@ class NativeCausalLM(nn.Module):
     """
 
     base_model_prefix = "model"
+    lora_manager: Any = None  # set by NativeLoRAManager; model(...) then honours activate()
 
     def __init__(self, config: NativeConfig) -> None:
         super().__init__()
@@ -243,9 +244,12 @@ class NativeCausalLM(nn.Module):
         tokens = input_ids.shape[1]
         steps = torch.arange(tokens, device=input_ids.device)
         positions = steps[None].expand_as(input_ids)
-        batch = None
+        mask = None
         window = self.config.sliding_window
         if window is not None and tokens > window:  # causal within the window
             mask = (steps[None, :] <= steps[:, None]) & (steps[None, :] > steps[:, None] - window)
-            batch = AttentionBatch(None, 0, 0, None, tokens, mask[None, None])
-        return SimpleNamespace(logits=self.logits(self.hidden_states(input_ids, positions, batch)))
+            mask = mask[None, None]
+        adapters = self.lora_manager.active() if self.lora_manager is not None else None
+        batch = AttentionBatch(None, 0, 0, None, tokens, mask, adapters)
+        hidden = self.hidden_states(input_ids, positions, batch)
+        return SimpleNamespace(logits=self.logits(hidden, adapters))

@@ -33,7 +33,6 @@ def choose_model_impl(
     model_impl: str,
     files_dir: str | os.PathLike[str],
     *,
-    enable_lora: bool,
     tokenizer_dir: str | os.PathLike[str],
 ) -> str:
     """ "native" or "transformers" for this model and these options.
@@ -42,7 +41,6 @@ def choose_model_impl(
         model_impl: "auto" (native when the architecture is supported), "native"
             (required; an error when unsupported) or "transformers" (always the fallback).
         files_dir: the model directory holding config.json.
-        enable_lora: LoRA requests run through the transformers path (PEFT) for now.
         tokenizer_dir: where the tokenizer files are.
 
     Raises:
@@ -59,8 +57,6 @@ def choose_model_impl(
         reason = f"architectures {data.get('architectures')} have no native implementation"
     elif not (Path(tokenizer_dir) / "tokenizer.json").is_file():
         reason = f"{tokenizer_dir} has no tokenizer.json for the native tokenizer"
-    elif enable_lora:
-        reason = "LoRA adapters run through PEFT on the transformers model code"
     if reason is None:
         return "native"
     if choice == "native":
