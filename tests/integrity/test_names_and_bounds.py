@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 
@@ -136,3 +137,15 @@ def test_cli_inspect_refuses_duplicate_names_in_one_line(original) -> None:
     )
     assert proc.returncode != 0
     assert "appears twice" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("count", [0, 3])
+def test_tensor_count_cut_is_refused(original, count) -> None:
+    """Regression (found by the fuzz test): a tensor count of 0 in the file header
+    loaded an empty mapping; a smaller count silently dropped the last tensors."""
+    data = bytearray(original.read_bytes())
+    struct.pack_into("<Q", data, 57, count)  # u64 tensor count after magic/version/flags/size
+    path = original.with_name("count.tensors")
+    path.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="tensor count in the file header is wrong"):
+        TensorDeserializer(path, device="cpu")

@@ -24,6 +24,7 @@ from tensorstream.formats.tensorizer import (
     TENSOR_TYPE_STATE_DICT,
     FileHeader,
     decode_name,
+    pack_metadata,
     unpack_file_header,
     unpack_metadata,
 )
@@ -216,6 +217,19 @@ def _read_tensorizer(source: Source, head: bytes, where: str, size: int) -> Tens
         )
     body = source.read(INDEX_OFFSET, header.metadata_len)
     entries = unpack_metadata(body, header.tensor_count, header.versioned_headers, where)
+    used = len(pack_metadata(entries, header.versioned_headers))
+    if any(body[used:]):
+        # writers pad the index with zeros: more bytes mean the tensor count was cut
+        raise FormatError(
+            f"{where}: the tensor index holds data after its {len(entries)} entries (from "
+            f"offset {INDEX_OFFSET + used}); the tensor count in the file header is wrong, "
+            "the file is corrupt"
+        )
+    if not entries and size > meta_end + 8:
+        raise FormatError(
+            f"{where}: the tensor index is empty, but the file holds {size - meta_end} bytes "
+            "after it; the tensor count in the file header is wrong, the file is corrupt"
+        )
     records = []
     position = meta_end
     for e in entries:
