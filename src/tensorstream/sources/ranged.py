@@ -7,17 +7,15 @@ bounded budget (``retry.RetryBudget``), checking every resumed response against
 the object seen at open (``SourceChangedError``), and turning HTTP statuses into
 the ``tensorstream.errors`` tree. URLs are shown only through ``redact_uri``:
 query strings (presigned signatures) and userinfo never reach logs or errors.
+Response plumbing and the net that maps stray transport errors live in ``transport``.
 """
 
 from __future__ import annotations
 
-import functools
-import http.client
 import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 import urllib3
 
@@ -27,13 +25,19 @@ from tensorstream.errors import (
     SourceChangedError,
     SourceError,
     SourceNotFoundError,
-    TensorStreamError,
     TruncatedFileError,
 )
 from tensorstream.sources.base import RangeReader, Source, StorageOptions
 from tensorstream.sources.connection import clean_error as _clean
 from tensorstream.sources.connection import make_pool
 from tensorstream.sources.retry import TRANSIENT_STATUSES, RetryBudget
+from tensorstream.sources.transport import (
+    TRANSPORT_ERRORS,
+    Cursor,
+    finish,
+    map_transport_errors,
+    readinto,
+)
 
 __all__ = ["NORANGE_PREFIX", "RANGED_READERS", "HttpRangeReader", "ObjectInfo", "RangedHttp"]
 
@@ -49,7 +53,6 @@ NORANGE_PREFIX = 16 << 20
 #: Readers for a server with Range support; measured on nginx/SeaweedFS loopback (see report).
 RANGED_READERS = 4
 _CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
-_TRANSPORT_ERRORS = (OSError, http.client.HTTPException, urllib3.exceptions.HTTPError)
 
 #: ``sign(method, headers) -> (url, headers)``: where and how to send one request.
 Signer = Callable[[str, dict[str, str]], tuple[str, dict[str, str]]]
@@ -65,68 +68,6 @@ class ObjectInfo:
     supports_ranges: bool
     etag: str | None
     last_modified: str | None
-
-
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-def _ours(method: _F) -> _F:
-    """Last line of defence: a transport error that escaped the retry logic (urllib3,
-    http.client, socket, ssl) leaves as a ``SourceError`` naming the object."""
-
-    @functools.wraps(method)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except TensorStreamError:
-            raise
-        except _TRANSPORT_ERRORS as exc:
-            uri = getattr(self, "display_uri", None) or self._http.display_uri
-            raise SourceError(
-                f"{uri}: the transfer failed ({type(exc).__name__}: {_clean(exc)}); check "
-                "that the server is reachable and serves the whole object, then load again"
-            ) from exc
-
-    return wrapper  # type: ignore[return-value]
-
-
-def _readinto(resp: urllib3.BaseHTTPResponse, view: memoryview) -> int:
-    # urllib3's own readinto() reads into a new bytes object and copies; the
-    # http.client response underneath reads straight from the socket into `view`.
-    fp = getattr(resp, "_fp", None)
-    if isinstance(fp, http.client.HTTPResponse):
-        return fp.readinto(view)
-    return resp.readinto(view)  # pragma: no cover - other urllib3 backends
-
-
-def _finish(resp: urllib3.BaseHTTPResponse | None) -> None:
-    """Give the connection back: reused only when the body was read to its end.
-
-    A connection with unread body bytes (an abandoned range, a 200 to a Range
-    request, an error page read in part) is closed, never pooled dirty.
-    """
-    if resp is None:
-        return
-    fp = getattr(resp, "_fp", None)
-    # http.client drops its fp once Content-Length bytes were read.
-    if not (isinstance(fp, http.client.HTTPResponse) and fp.isclosed()):
-        resp.close()
-    resp.release_conn()
-
-
-class _Cursor:
-    """One response positioned at byte ``pos`` that serves bytes up to ``stop``."""
-
-    __slots__ = ("pos", "resp", "stop")
-
-    def __init__(self, pos: int, stop: int) -> None:
-        self.pos = pos
-        self.stop = stop
-        self.resp: urllib3.BaseHTTPResponse | None = None
-
-    def drop(self) -> None:
-        _finish(self.resp)
-        self.resp = None
 
 
 class RangedHttp:
@@ -182,7 +123,7 @@ class RangedHttp:
             self._info = self.probe()
         return self._info
 
-    @_ours
+    @map_transport_errors
     def probe(self) -> ObjectInfo:
         """GET ``bytes=0-0`` to learn size, Range support and validators.
 
@@ -204,7 +145,7 @@ class RangedHttp:
             if status == 206:
                 match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
                 if not match or match.group(3) == "*":
-                    _finish(resp)
+                    finish(resp)
                     error = SourceError(
                         f"{self.display_uri} answered a Range request without a usable "
                         f"Content-Range ({headers.get('Content-Range')!r}); cannot learn its size"
@@ -214,17 +155,17 @@ class RangedHttp:
                     raise error
                 try:
                     resp.read()
-                except _TRANSPORT_ERRORS as exc:
+                except TRANSPORT_ERRORS as exc:
                     # A body shorter than its Content-Length (urllib3's ProtocolError):
                     # the connection was cut, so probe again like any other cut.
-                    _finish(resp)
+                    finish(resp)
                     budget.fail(f"{_clean(exc)} (reading the size probe)", 0)
                     continue
-                _finish(resp)
+                finish(resp)
                 info = ObjectInfo(int(match.group(3)), True, etag, modified)
             elif status == 200:
                 length = headers.get("Content-Length")
-                _finish(resp)  # do not download a whole file to learn its size
+                finish(resp)  # do not download a whole file to learn its size
                 if length is None:
                     raise SourceError(
                         f"{self.display_uri} sent no Content-Length and ignored Range; its size "
@@ -237,7 +178,7 @@ class RangedHttp:
             elif status == 416:
                 # Only an empty object cannot satisfy bytes=0-0.
                 total = headers.get("Content-Range", "").rpartition("/")[2].strip()
-                _finish(resp)
+                finish(resp)
                 if total not in ("0", ""):
                     raise SourceError(f"{self.display_uri} refused bytes=0-0 (HTTP 416)")
                 info = ObjectInfo(0, True, etag, modified)
@@ -249,7 +190,7 @@ class RangedHttp:
 
     # -- reads -------------------------------------------------------------------
 
-    @_ours
+    @map_transport_errors
     def read_into(self, offset: int, buf: memoryview) -> None:
         """Fill ``buf`` from ``offset`` with one ranged GET (resumed if cut)."""
         info = self.info
@@ -263,15 +204,15 @@ class RangedHttp:
             return
         if not info.supports_ranges and offset > NORANGE_PREFIX:
             raise self._no_ranges(offset, want)
-        cursor = _Cursor(offset, offset + want)
+        cursor = Cursor(offset, offset + want)
         try:
             self._fill(cursor, buf)
         except BaseException:
             cursor.drop()
             raise
-        _finish(cursor.resp)  # a 200 body longer than the read is closed, not pooled
+        finish(cursor.resp)  # a 200 body longer than the read is closed, not pooled
 
-    @_ours
+    @map_transport_errors
     def open_range(self, start: int, end: int) -> HttpRangeReader:
         """A sequential reader over ``[start, end)`` that keeps one GET open."""
         info = self.info
@@ -298,7 +239,7 @@ class RangedHttp:
             deadline=self._options.retry_deadline,
         )
 
-    def _fill(self, cursor: _Cursor, buf: memoryview) -> None:
+    def _fill(self, cursor: Cursor, buf: memoryview) -> None:
         """Copy the next ``len(buf)`` bytes of ``cursor`` into ``buf``, resuming as needed."""
         budget = self._budget()
         done = 0
@@ -308,8 +249,8 @@ class RangedHttp:
                 cursor.resp = self._open_at(cursor.pos, cursor.stop, budget)
             error: BaseException | str
             try:
-                n = _readinto(cursor.resp, buf[done : done + min(_CHUNK, want - done)])
-            except _TRANSPORT_ERRORS as exc:
+                n = readinto(cursor.resp, buf[done : done + min(_CHUNK, want - done)])
+            except TRANSPORT_ERRORS as exc:
                 n, error = 0, exc
             else:
                 error = "connection closed early"
@@ -354,13 +295,13 @@ class RangedHttp:
                     # No Range support: resuming means reading again from byte 0.
                     try:
                         self._discard(resp, start)
-                    except _TRANSPORT_ERRORS as exc:
-                        _finish(resp)
+                    except TRANSPORT_ERRORS as exc:
+                        finish(resp)
                         budget.fail(f"{_clean(exc)} (re-reading up to byte {start})", start)
                         continue
                 return resp
             if status == 200:
-                _finish(resp)
+                finish(resp)
                 raise RangeNotSupportedError(
                     f"{self.display_uri} ignored the Range header at offset {start} (HTTP 200); "
                     "a proxy may be stripping Range; load with one reader or bypass the proxy"
@@ -383,7 +324,7 @@ class RangedHttp:
     def _discard(self, resp: urllib3.BaseHTTPResponse, n: int) -> None:
         scratch = memoryview(bytearray(min(n, _CHUNK)))
         while n > 0:
-            got = _readinto(resp, scratch[: min(n, len(scratch))])
+            got = readinto(resp, scratch[: min(n, len(scratch))])
             if got <= 0:
                 raise ConnectionError(f"connection closed while skipping to byte {n}")
             n -= got
@@ -426,7 +367,7 @@ class RangedHttp:
             if isinstance(exc.reason, urllib3.exceptions.ResponseError):
                 raise SourceError(f"{self.display_uri}: too many redirects") from exc
             budget.fail(_clean(exc.reason or exc), offset)
-        except _TRANSPORT_ERRORS as exc:
+        except TRANSPORT_ERRORS as exc:
             budget.fail(_clean(exc), offset)
         return None
 
@@ -446,7 +387,7 @@ class RangedHttp:
         elif start is not None and stop is not None:
             match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
             if not match:
-                _finish(resp)
+                finish(resp)
                 raise SourceError(
                     f"{self.display_uri} answered a Range request with Content-Range "
                     f"{headers.get('Content-Range')!r}; expected bytes {start}-{stop - 1}"
@@ -454,7 +395,7 @@ class RangedHttp:
             if match.group(3) != "*" and int(match.group(3)) != info.size:
                 problem = f"size {info.size} at open, now {match.group(3)}"
             elif (int(match.group(1)), int(match.group(2))) != (start, stop - 1):
-                _finish(resp)
+                finish(resp)
                 raise SourceError(
                     f"{self.display_uri} sent bytes {match.group(1)}-{match.group(2)} when asked "
                     f"for {start}-{stop - 1}; a caching proxy may be misbehaving"
@@ -464,7 +405,7 @@ class RangedHttp:
             if length is not None and int(length) != info.size:
                 problem = f"size {info.size} at open, now {length}"
         if problem:
-            _finish(resp)
+            finish(resp)
             raise SourceChangedError(
                 f"{self.display_uri} changed while it was being read ({problem}); the bytes "
                 "already loaded may come from the old version. Load again once the upload "
@@ -478,10 +419,10 @@ class RangedHttp:
         status = resp.status
         try:
             body = resp.read(64 * 1024) if status >= 400 else b""
-        except _TRANSPORT_ERRORS:
+        except TRANSPORT_ERRORS:
             body = b""
         retry_after = resp.headers.get("Retry-After")
-        _finish(resp)
+        finish(resp)
         if self._hook is not None:
             mapped = self._hook(status, body, probing)
             if mapped is not None:
@@ -515,13 +456,13 @@ class HttpRangeReader(RangeReader):
     def __init__(self, http_: RangedHttp, start: int, end: int) -> None:
         self._http = http_
         self._end = end
-        self._cursor = _Cursor(start, min(end, http_.info.size))
+        self._cursor = Cursor(start, min(end, http_.info.size))
 
     @property
     def position(self) -> int:
         return self._cursor.pos
 
-    @_ours
+    @map_transport_errors
     def readinto_exact(self, buf: memoryview) -> None:
         pos, want, size = self._cursor.pos, len(buf), self._http.info.size
         if pos + want > self._end or pos + want > size:
@@ -533,7 +474,7 @@ class HttpRangeReader(RangeReader):
         if want:
             self._http._fill(self._cursor, buf)
 
-    @_ours
+    @map_transport_errors
     def skip(self, n: int) -> None:
         cursor = self._cursor
         if n <= 0:
@@ -549,7 +490,7 @@ class HttpRangeReader(RangeReader):
 
     def close(self) -> None:
         cursor = self._cursor
-        _finish(cursor.resp)
+        finish(cursor.resp)
         cursor.resp = None
 
 
