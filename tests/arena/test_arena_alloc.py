@@ -68,8 +68,14 @@ def test_big_tensor_gets_its_own_arena_and_small_ones_share():
     assert small[1].data_ptr() - small[0].data_ptr() == 1 << 20
 
 
-def test_huge_pages_used_where_the_kernel_allows(monkeypatch):
+def test_huge_pages_are_opt_in(monkeypatch):
     monkeypatch.delenv("TENSORSTREAM_HUGE_PAGES", raising=False)
+    assert not huge_pages_available()
+    assert not ArenaAllocator().huge_pages
+
+
+def test_huge_pages_used_where_the_kernel_allows(monkeypatch):
+    monkeypatch.setenv("TENSORSTREAM_HUGE_PAGES", "1")
     arena = Arena(HUGE_PAGE * 2, huge_pages=huge_pages_available())
     assert arena.size % HUGE_PAGE == 0
     with open(arena_mod._THP_ENABLED) as f:
@@ -91,7 +97,7 @@ def test_thp_off_forced_by_env_falls_back_to_small_pages(monkeypatch):
 def test_thp_never_in_sysfs_falls_back(monkeypatch, tmp_path):
     fake = tmp_path / "enabled"
     fake.write_text("always madvise [never]\n")
-    monkeypatch.delenv("TENSORSTREAM_HUGE_PAGES", raising=False)
+    monkeypatch.setenv("TENSORSTREAM_HUGE_PAGES", "1")
     monkeypatch.setattr(arena_mod, "_THP_ENABLED", str(fake))
     assert not huge_pages_available()
 

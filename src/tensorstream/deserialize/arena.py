@@ -1,19 +1,21 @@
-"""Fresh CPU memory for loaded tensors: huge-page-backed arenas carved into tensors.
+"""Fresh CPU memory for loaded tensors: anonymous-mapping arenas carved into tensors.
 
 A load that cannot view the page cache (unaligned tensors, remote sources,
-decryption, verified loads) needs fresh memory for the tensors it returns. On these
-VMs first touch of 4 KiB pages is the cost that bounds such loads; an anonymous
-private mapping advised ``MADV_HUGEPAGE`` is faulted 2 MiB at a time instead
-(measured: fill 12.5 vs 4.8 GB/s, copy in 4.8 vs 2.6 GB/s for ``torch.empty``).
+decryption, verified loads) needs fresh memory for the tensors it returns. Each arena
+is one anonymous private mapping sized for the load (at most ``ARENA_BYTES``). Every
+tensor carved from it is a ``torch.frombuffer`` over exactly its own bytes, so its
+storage is exactly its size (``torch.save`` writes only that) and holds a reference to
+the mapping; the mapping is unmapped when the last tensor carved from it is freed.
 
-Each arena is one mapping sized for one load. Every tensor carved from it is a
-``torch.frombuffer`` over exactly its own bytes, so its storage is exactly its size
-(``torch.save`` writes only that) and holds a reference to the mapping; the mapping is
-unmapped when the last tensor carved from it is freed.
-
-Fallbacks: with transparent huge pages off (``never``), or ``madvise`` refused, the
-arena is a plain anonymous mapping. ``TENSORSTREAM_HUGE_PAGES=0`` forces that;
-``TENSORSTREAM_ARENA=0`` gives every tensor its own ``torch.empty`` instead.
+Huge pages are opt-in (``TENSORSTREAM_HUGE_PAGES=1``: ``MADV_HUGEPAGE`` on each arena).
+Measured on the 2-core Firecracker dev VM (``python -m bench.arena_probe``, fresh
+process per variant, docs/benchmarks.md): copying into a huge-page arena ran at
+0.15 GB/s against 0.60 for 4 KiB pages and 0.50 for ``torch.empty``. A fresh 2 MiB page
+is backed by the host on first touch there, so it is slow until the process reuses it;
+the 12.5 GB/s fills seen earlier were reused pages. Hosts that back guest memory with
+huge pages (or bare metal) should turn it on and measure. With THP off (``never``), or
+``madvise`` refused, the arena falls back to 4 KiB pages. ``TENSORSTREAM_ARENA=0``
+gives every tensor its own ``torch.empty`` instead.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ log = logging.getLogger("tensorstream")
 ALIGN = 64
 #: Huge page size of x86-64 and most arm64 kernels; arenas are rounded up to it.
 HUGE_PAGE = 2 << 20
-#: Most one arena holds. Measured (docs/benchmarks.md): one arena per load and 256 MiB
-#: arenas load alike; smaller arenas free memory sooner when a caller drops part of a
-#: model, so they win the tie.
+#: Most one arena holds. Measured (bench.arena_probe): 64 MiB, 256 MiB and one arena per
+#: load are within noise of each other; smaller arenas free memory sooner when a caller
+#: drops part of a model, bigger ones mean fewer mappings, 256 MiB is between.
 ARENA_BYTES = 256 << 20
 _THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
 #: Every arena mapping still alive (held by its tensors), for diagnostics and tests.
@@ -64,12 +66,14 @@ def arenas_enabled() -> bool:
 
 
 def huge_pages_available() -> bool:
-    """Whether asking for transparent huge pages can work here.
+    """Whether arenas ask for transparent huge pages.
 
-    False when ``TENSORSTREAM_HUGE_PAGES=0``, when the kernel has them set to
-    ``never``, or when this Python cannot ask (no ``MADV_HUGEPAGE``).
+    Only when ``TENSORSTREAM_HUGE_PAGES=1`` (off by default, see the module docstring),
+    and never when the kernel has them set to ``never`` or this Python cannot ask
+    (no ``MADV_HUGEPAGE``).
     """
-    if _env_off("TENSORSTREAM_HUGE_PAGES") or not hasattr(mmap, "MADV_HUGEPAGE"):
+    wanted = os.environ.get("TENSORSTREAM_HUGE_PAGES", "").strip().lower()
+    if wanted not in ("1", "true", "yes", "on") or not hasattr(mmap, "MADV_HUGEPAGE"):
         return False
     try:
         with open(_THP_ENABLED) as f:
