@@ -1,0 +1,131 @@
+"""The plugin's parts that need no vLLM engine: options, rank files, lazy import, CLI rewriting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tensorstream.errors import ConfigError
+from tensorstream.integrations.vllm_options import VllmLoadOptions, weights_candidates
+
+
+def test_cli_strings_become_bools_and_numbers():
+    options = VllmLoadOptions.from_extra(
+        {
+            "tensorizer_config": {"verify_hash": "False", "num_readers": "3"},
+            "stream_kwargs": {"verify_tls": "false", "timeout": "12.5", "max_retries": "2"},
+            "deserialization_kwargs": {"use_mmap": "True"},
+            "s3_endpoint": "http://127.0.0.1:1",
+        }
+    )
+    assert options.verify_hash is False and options.num_readers == 3
+    assert options.storage.verify_tls is False and options.storage.timeout == 12.5
+    assert options.storage.max_retries == 2
+    assert options.storage.s3_endpoint == "http://127.0.0.1:1"
+    assert options.deserialization_kwargs == {"use_mmap": True}
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"verify_hash": "maybe"}, ["verify_hash", "maybe"]),
+        ({"stream_kwargs": {"bogus": 1}}, ["stream_kwargs", "bogus"]),
+        ({"deserialization_kwargs": {"device": "cpu"}}, ["device", "set by vLLM"]),
+        ({"num_readers": "many"}, ["num_readers", "many"]),
+        ({"tensorizer_dri": "/x"}, ["tensorizer_dri"]),
+    ],
+)
+def test_bad_options_name_the_key(extra, words):
+    with pytest.raises(ConfigError) as info:
+        VllmLoadOptions.from_extra(extra)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_each_rank_reads_its_own_file():
+    options = VllmLoadOptions.from_extra({"tensorizer_dir": "s3://b/m"})
+    assert weights_candidates(options, "/local", 1, 2)[0] == "s3://b/m/model-rank-001.tensors"
+    assert weights_candidates(options, "/local", 0, 1)[0] == "s3://b/m/model.tensors"
+    templated = VllmLoadOptions.from_extra({"tensorizer_uri": "/w/model-rank-%03d.tensors"})
+    assert weights_candidates(templated, "/local", 3, 4) == ["/w/model-rank-003.tensors"]
+    assert weights_candidates(VllmLoadOptions(), "/local", 0, 1)[-1] == "/local/model.safetensors"
+
+
+def test_one_file_for_several_ranks_is_refused():
+    options = VllmLoadOptions.from_extra({"tensorizer_uri": "/w/model.tensors"})
+    with pytest.raises(ConfigError, match="model-rank-%03d.tensors"):
+        weights_candidates(options, "/local", 0, 2)
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+
+
+def test_importing_tensorstream_and_the_plugin_module_does_not_import_vllm():
+    probe = _python(
+        "import sys, tensorstream, tensorstream.integrations.vllm as p\n"
+        "print(p.vllm_model_args('/x')['load_format'], 'vllm' in sys.modules)"
+    )
+    assert probe.returncode == 0, probe.stderr
+    assert probe.stdout.split() == ["tensorstream", "False"]
+
+
+def test_missing_loader_api_names_the_tested_vllm_versions():
+    # A vLLM without the loader-plugin API: its module is absent.
+    probe = _python(
+        "import sys\n"
+        "sys.modules['vllm.model_executor.model_loader'] = None\n"
+        "from tensorstream.integrations.vllm import register\n"
+        "try:\n    register()\n"
+        "except Exception as e:\n    print(type(e).__name__, '|', e)\n"
+    )
+    assert probe.returncode == 0, probe.stderr
+    kind, message = probe.stdout.split("|", 1)
+    assert kind.strip() == "ConfigError"
+    assert "0.32.0" in message and "register_model_loader" in message
+
+
+def test_serve_wrapper_rewrites_an_s3_model(serialized_dir, s3_server, tmp_path, monkeypatch):
+    """``serve s3://...``: vLLM gets the local config dir, the URI as served name and weights dir."""
+    from tensorstream.integrations.vllm_cli import rewrite_serve_args
+    from tensorstream.sources.base import StorageOptions
+    from tensorstream.sources.registry import open_sink
+
+    monkeypatch.setenv("TENSORSTREAM_CACHE", str(tmp_path / "cache"))
+    bucket = s3_server.make_bucket("vllm-cli")
+    storage = StorageOptions(
+        s3_endpoint=s3_server.endpoint,
+        s3_access_key_id=s3_server.access_key,
+        s3_secret_access_key=s3_server.secret_key,
+    )
+    uri = f"s3://{bucket}/vllm/smollm2/v1"
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        with open_sink(f"{uri}/{name}", storage) as sink:
+            sink.write((serialized_dir / name).read_bytes())
+    extra = {
+        "s3_endpoint": s3_server.endpoint,
+        "s3_access_key_id": s3_server.access_key,
+        "s3_secret_access_key": s3_server.secret_key,
+    }
+    args = rewrite_serve_args(
+        [uri, "--port", "9", "--model-loader-extra-config", json.dumps(extra)]
+    )
+    local = Path(args[args.index("--model") + 1])
+    assert (local / "config.json").read_bytes() == (serialized_dir / "config.json").read_bytes()
+    assert args[args.index("--load-format") + 1] == "tensorstream"
+    assert args[args.index("--served-model-name") + 1] == uri
+    sent = json.loads(args[args.index("--model-loader-extra-config") + 1])
+    assert sent["tensorizer_dir"] == uri
+    assert args[-2:] == ["--port", "9"]
+
+
+def test_serve_wrapper_without_a_model_prints_one_line(capsys):
+    from tensorstream.integrations.vllm_cli import main
+
+    assert main(["serve", "--port", "9"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no model given")
