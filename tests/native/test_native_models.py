@@ -146,3 +146,27 @@ def test_native_required_for_unsupported_architecture_is_refused(tmp_path, smoll
     with pytest.raises(ConfigError, match="GPT2LMHeadModel"):
         LLM(str(tmp_path), device="cpu", model_impl="native")
     assert LLM(str(tmp_path), device="cpu").model_impl == "transformers"
+
+
+def test_architecture_selection_from_config_json():
+    from tensorstream.engine.models import native_architecture
+
+    base = dict(
+        hidden_size=8,
+        num_attention_heads=2,
+        vocab_size=10,
+        intermediate_size=4,
+        num_hidden_layers=1,
+    )
+    assert native_architecture({**base, "architectures": ["LlamaForCausalLM"]}) == "llama"
+    assert native_architecture({**base, "architectures": ["Qwen2ForCausalLM"]}) == "qwen2"
+    assert native_architecture({**base, "architectures": ["OPTForCausalLM"]}) is None
+    assert native_architecture({**base}) is None  # no architectures: transformers decides
+    # What the native code does not implement goes to transformers, not to a wrong answer.
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    llama = {**base, "architectures": ["LlamaForCausalLM"]}
+    assert native_architecture({**llama, "rope_scaling": yarn}) is None
+    assert native_architecture({**llama, "hidden_act": "gelu"}) is None
+    windowed = {"use_sliding_window": True, "sliding_window": 16}
+    assert native_architecture({**base, "architectures": ["Qwen2ForCausalLM"], **windowed}) is None
+    assert native_architecture({**llama, "num_hidden_layers": 0}) is None

@@ -51,8 +51,10 @@ def native_architecture(data: dict[str, Any]) -> str | None:
         return None
     if config.hidden_act != "silu" or config.rope_type not in _ROPE_TYPES:
         return None
-    if config.sliding_window is not None and family == "qwen3":
-        return None  # alternating sliding layers: leave them to transformers
+    if config.sliding_window is not None and family in ("qwen2", "qwen3"):
+        return None  # sliding windows on some layers only: leave them to transformers
+    if data.get("layer_types") and len(set(data["layer_types"])) > 1:
+        return None  # mixed full/sliding attention layers
     return family
 
 
