@@ -50,15 +50,26 @@ def find_index(source: object) -> str | None:
     return None
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing a repeated key (a tensor listed in two shards)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"{key!r} appears twice")
+        out[key] = value
+    return out
+
+
 def _read_weight_map(uri: str, storage: StorageOptions | None) -> dict[str, str]:
     with open_source(uri, storage) as src:
         raw = src.read(0, src.size)
     try:
-        weight_map = json.loads(raw)["weight_map"]
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        weight_map = json.loads(raw, object_pairs_hook=_unique_keys)["weight_map"]
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
+        # ValueError: bad UTF-8 or JSON, a repeated key, an int of more than 4300 digits
         raise FormatError(
             f"{src.display_uri} is not a sharded-checkpoint index (expected JSON with a "
-            f"'weight_map' of tensor name -> shard file): {exc}"
+            f"'weight_map' of tensor name -> shard file): {type(exc).__name__}: {exc}"
         ) from exc
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
