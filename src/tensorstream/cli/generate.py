@@ -42,6 +42,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keyfile", help="decryption key file for an encrypted model/adapters")
     parser.add_argument("--max-model-len", type=int, help="context length")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        help="torch threads for the model (default: CPUs this process may use, minus one)",
+    )
 
 
 def _loras(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         trust_remote_code=args.trust_remote_code,
         seed=args.seed,
+        cpu_threads=args.cpu_threads,
     )
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
