@@ -29,8 +29,16 @@ def _on_alarm(signum: int, frame: Any) -> None:
     raise _Timeout
 
 
-def _flat(d: Any) -> dict[Any, Any]:
-    return {k: d[k] for k in d.keys()}
+def _flat(d: Any, prefix: tuple[Any, ...] = ()) -> dict[Any, Any]:
+    """Every tensor under its full path (structured state dicts nest mappings)."""
+    out: dict[Any, Any] = {}
+    for k in d.keys():
+        v = d[k]
+        if hasattr(v, "keys"):
+            out.update(_flat(v, (*prefix, k)))
+        else:
+            out[(*prefix, k) if prefix else k] = v
+    return out
 
 
 def _raw(t: Any) -> Any:

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.slow
 
 #: fixed for CI; set TENSORSTREAM_FUZZ_SEED to explore other mutants locally
 SEED = int(os.environ.get("TENSORSTREAM_FUZZ_SEED", "20261203"))
-MUTANTS_PER_FILE = 90
+MUTANTS_PER_FILE = 72
 BATCH = 30
 #: torch plus a load peaks near 0.9 GiB of address space here; a forged shape would
 #: ask for many GiB, far past this
@@ -89,6 +89,10 @@ def _originals(tmp: Path) -> list[dict[str, Any]]:
     tz.write_state_dict(sd)
     tz.close()
     out.append({"path": str(path), "kind": "tensorizer", "key": None})
+    path = tmp / "tree.tensors"  # structured names: int and str path parts
+    with TensorSerializer(path) as s:
+        s.write_state_dict({"layers": [{"w": sd["w"]}, {"w": sd["bf"]}], "ids": sd["ids"]})
+    out.append({"path": str(path), "kind": "tensorizer", "key": None})
     enc = EncryptionParams.random()
     path = tmp / "enc.tensors"
     with TensorSerializer(path, encryption=enc) as s:
@@ -129,10 +133,13 @@ def _mutate(
 ) -> tuple[str, bytes]:
     """One mutant and a short description of the edit."""
     buf = bytearray(data)
+    if not buf:
+        return "nothing-left", data
     roles = [r for r in regions if regions[r] and regions[r][0][1] > regions[r][0][0]]
     weights = {"headers": 4, "index": 4, "file_header": 2, "header": 6, "length": 1}
     role = rng.choices(roles, [weights.get(r, 1) for r in roles])[0]
     start, end = rng.choice(regions[role])
+    end = min(end, len(buf))
     if end <= start:
         start, end = 0, len(buf)
     pos = rng.randrange(start, end)
