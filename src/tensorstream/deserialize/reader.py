@@ -95,8 +95,12 @@ class TensorDeserializer(Mapping[Any, Any]):
         require_manifest: refuse to load without a manifest (``ManifestError``).
 
     Raises:
-        FormatError, TruncatedFileError: not a valid file, or cut short.
+        FormatError, TruncatedFileError: not a valid file, or cut short; a tensor header
+            that disagrees with the index; duplicate names; meta tensors that would
+            allocate more than ``$TENSORSTREAM_MAX_META_BYTES`` (default: the larger of
+            the file size and 256 MiB). See docs/errors.md.
         HashMismatchError: with ``verify_hash``, a tensor's bytes are not what was written.
+        IntegrityError: with ``verify_hash``, a tensor stores no hash this reader knows.
         KeyRequiredError / NotEncryptedError / DecryptionError: key problems.
         ManifestError: the file does not match its manifest, or a required one is missing.
         SourceError: the storage failed.
