@@ -80,6 +80,18 @@ def test_s3_dir_matches_vllm_default_loader(
     )
 
 
+def test_safetensors_over_http_matches(
+    greedy, reference_tokens, smollm2_dir, http_server, tmp_path
+):
+    """The Hugging Face checkpoint itself, streamed over HTTP (nginx, Range) by our readers."""
+    served = Path(http_server.root) / "vllm-plugin-st"
+    served.mkdir(parents=True, exist_ok=True)
+    shutil.copy(smollm2_dir / "model.safetensors", served / "model.safetensors")
+    files = copy_model_files(smollm2_dir, tmp_path / "model")
+    extra = {"tensorizer_dir": http_server.url("vllm-plugin-st"), "num_readers": 4}
+    assert greedy(files, "tensorstream", extra) == reference_tokens
+
+
 def test_tensorizer_written_file_with_hf_buffers_matches(
     greedy, reference_tokens, smollm2_dir, tmp_path
 ):
