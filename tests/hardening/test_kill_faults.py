@@ -83,7 +83,8 @@ def _partials(directory: Path) -> list[str]:
 
 
 @pytest.mark.integration
-def test_sigterm_aborts_s3_multipart_upload(s3_server, s3_bucket) -> None:
+@pytest.mark.parametrize("pace", ["slow", "fast"])  # fast: SIGTERM lands mid-write, in locks
+def test_sigterm_aborts_s3_multipart_upload(s3_server, s3_bucket, pace: str) -> None:
     """Regression: SIGTERM mid-upload left an orphaned multipart upload."""
     client = s3_server.client()
     env = {
@@ -92,7 +93,7 @@ def test_sigterm_aborts_s3_multipart_upload(s3_server, s3_bucket) -> None:
         "T_SECRET": s3_server.secret_key,
         "T_REGION": s3_server.region,
     }
-    child = _spawn(f"s3://{s3_bucket}/model.tensors", env=env)
+    child = _spawn(f"s3://{s3_bucket}/model.tensors", pace, env=env)
     try:
         _wait_for(
             lambda: client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads"),
@@ -102,12 +103,14 @@ def test_sigterm_aborts_s3_multipart_upload(s3_server, s3_bucket) -> None:
         assert child.wait(timeout=60) == -signal.SIGTERM  # still dies of SIGTERM
     finally:
         child.kill()
-    assert client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+    leftover = client.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+    assert leftover == [], child.stderr.read() if child.stderr else ""
     assert client.list_objects_v2(Bucket=s3_bucket).get("Contents", []) == []
 
 
-def test_sigterm_removes_local_temp_file(tmp_path: Path) -> None:
-    child = _spawn(str(tmp_path / "model.tensors"))
+@pytest.mark.parametrize("pace", ["slow", "fast"])
+def test_sigterm_removes_local_temp_file(tmp_path: Path, pace: str) -> None:
+    child = _spawn(str(tmp_path / "model.tensors"), pace)
     try:
         _wait_for(lambda: _partials(tmp_path), "the temp file")
         child.send_signal(signal.SIGTERM)

@@ -51,6 +51,8 @@ _MIN_PART = 5 * _MIB
 #: The first part, kept in memory for ``patch``, is at least this big.
 _MIN_FIRST_PART = 8 * _MIB
 _UPLOAD_THREADS = 2
+#: Most seconds an abort waits for a CreateMultipartUpload in flight on another thread.
+_CREATE_WAIT = 60.0
 #: Parts uploading or waiting to upload; the writer blocks beyond this.
 _MAX_QUEUED = 2
 _DENIED = {
@@ -363,6 +365,8 @@ class S3Sink(Sink):
         self._pool: ThreadPoolExecutor | None = None
         self._parts: dict[int, Future[str]] = {}
         self._upload_id: str | None = None
+        self._creating = threading.Event()
+        self._creating.set()
         self._pos = 0
         self._state = "open"
         _LIVE.add(self)
@@ -449,7 +453,10 @@ class S3Sink(Sink):
             if getattr(self, "_state", "aborted") != "open":
                 return
             self._state = "aborted"
-        for future in self._parts.values():
+        # Another thread may be creating the upload right now (abort after SIGTERM).
+        if not self._creating.wait(timeout=_CREATE_WAIT):
+            _log.warning("%s: the multipart upload was still being created", self.display_uri)
+        for future in list(self._parts.values()):
             future.cancel()
         if self._pool is not None:
             # Wait for running uploads so no part lands after the abort.
@@ -486,11 +493,19 @@ class S3Sink(Sink):
 
     def _submit(self, buf: bytearray, length: int, part_number: int | None = None) -> None:
         if self._upload_id is None:
-            created = _call(
-                self._target, "CreateMultipartUpload", Bucket=self._bucket, Key=self._key
-            )
-            self._upload_id = created["UploadId"]
-            self._pool = ThreadPoolExecutor(_UPLOAD_THREADS, thread_name_prefix="s3-upload")
+            # An abort from another thread (SIGTERM) waits for this: the upload exists
+            # on the server before its id is known here.
+            self._creating.clear()
+            try:
+                created = _call(
+                    self._target, "CreateMultipartUpload", Bucket=self._bucket, Key=self._key
+                )
+                self._upload_id = created["UploadId"]
+                self._pool = ThreadPoolExecutor(_UPLOAD_THREADS, thread_name_prefix="s3-upload")
+            finally:
+                self._creating.set()
+            if self._state != "open":
+                raise SourceError(f"{self.display_uri} was aborted; nothing more is uploaded")
         if part_number is None:
             part_number = len(self._parts) + 2  # part 1 is the patchable first part
         self._slots.acquire()  # bounds host memory: the writer waits for an upload to finish
@@ -498,9 +513,13 @@ class S3Sink(Sink):
         # The worker and callback get their inputs explicitly, never ``self``: a
         # forgotten sink must stay collectable so that __del__ can abort it.
         recycle = None if buf is self._first else self._free
-        future = self._pool.submit(
-            _upload_part, self._target, self._upload_id, part_number, buf, length, recycle
-        )
+        try:
+            future = self._pool.submit(
+                _upload_part, self._target, self._upload_id, part_number, buf, length, recycle
+            )
+        except RuntimeError:  # the pool was shut down: aborted from another thread (SIGTERM)
+            self._slots.release()
+            raise SourceError(f"{self.display_uri} was aborted; nothing more is uploaded") from None
         future.add_done_callback(lambda _, slots=self._slots: slots.release())
         self._parts[part_number] = future
 

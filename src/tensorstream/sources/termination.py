@@ -7,12 +7,13 @@ multipart upload stays open (and billed) and a local temp file stays on disk.
 
 While at least one sink is open, this module installs a SIGTERM handler in the
 main thread (only there: Python runs handlers in the main thread and refuses to
-install them elsewhere). The handler aborts every open sink, then does what the
-previous handler would have done: calls it when it was a Python function, or
-restores the default action and sends SIGTERM again so the process still dies
-of SIGTERM (exit status 143 in a shell). It is uninstalled when the last sink
-closes, unless someone replaced it meanwhile. A process that ignores SIGTERM
-keeps ignoring it: nothing is installed then.
+install them elsewhere). The handler puts the previous handler back and starts a
+thread that aborts every open sink and sends SIGTERM again, so what the previous
+handler would have done still happens: a Python handler runs (signalled before the
+aborts), or the default action kills the process once they are done (exit status
+143 in a shell). The handler is
+uninstalled when the last sink closes, unless someone replaced it meanwhile. A
+process that ignores SIGTERM keeps ignoring it: nothing is installed then.
 """
 
 from __future__ import annotations
@@ -39,27 +40,69 @@ _lock = threading.RLock()
 _open: weakref.WeakSet[Any] = weakref.WeakSet()
 _previous: Any = None
 _installed: Callable[[int, FrameType | None], None] | None = None
+#: Set once SIGTERM arrived: sinks opened afterwards install nothing (the cleanup
+#: thread aborts them as well).
+_terminating = False
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    previous = _previous  # before the aborts: the last one uninstalls and forgets it
-    for sink in list(_open):
-        try:
-            sink.abort()
-        except Exception as exc:  # noqa: BLE001 - keep aborting the others, then die
-            _log.warning("could not abort %r on SIGTERM: %s", sink, type(exc).__name__)
-    _uninstall()
-    if callable(previous):
-        previous(signum, frame)
-        return
-    # The default action: die of SIGTERM, as the process would have without us.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
+    """Hand the cleanup to a thread, put the previous handler back, return at once.
+
+    The aborts do not run here: the main thread may have been interrupted while
+    holding a lock an abort needs (a thread pool's, a queue's), and waiting for it
+    inside the handler would hang forever. Once the handler returns, the main thread
+    carries on until its next write finds the sink aborted.
+    """
+    global _terminating
+    with _lock:
+        _terminating = True
+        previous = _previous
+        _uninstall()
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:  # replaced under us: restore
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+    threading.Thread(
+        target=_abort_and_resignal,
+        args=(signum, callable(previous)),
+        name="tensorstream-sigterm",
+    ).start()  # not a daemon: interpreter shutdown waits for the aborts
+
+
+def _abort_and_resignal(signum: int, chain_first: bool) -> None:
+    """Abort every open sink and deliver SIGTERM again to whatever handles it now.
+
+    A previous Python handler gets the signal first (the main thread runs it at its
+    next instruction, before it could see an aborted sink); the default action comes
+    last, since it ends the process (exit status 143 in a shell), as it would have
+    without us.
+    """
+    global _terminating
+    if chain_first:
+        os.kill(os.getpid(), signum)
+    tried: set[int] = set()
+    while True:
+        with _lock:
+            sinks = [s for s in list(_open) if id(s) not in tried]
+        if not sinks:
+            break
+        for sink in sinks:
+            tried.add(id(sink))
+            try:
+                sink.abort()
+            except Exception as exc:  # noqa: BLE001 - keep aborting the others, then go on
+                _log.warning("could not abort %r on SIGTERM: %s", sink, type(exc).__name__)
+    if not chain_first:
+        os.kill(os.getpid(), signum)
+    with _lock:
+        _terminating = False  # the previous handler chose to live on: protect new sinks
 
 
 def _install() -> None:
     global _previous, _installed
-    if _installed is not None or threading.current_thread() is not threading.main_thread():
+    if (
+        _terminating
+        or _installed is not None
+        or threading.current_thread() is not threading.main_thread()
+    ):
         return
     current = signal.getsignal(signal.SIGTERM)
     # SIG_IGN: the process chose to survive SIGTERM. None: a handler set from C that
