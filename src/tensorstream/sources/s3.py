@@ -360,8 +360,8 @@ class S3Sink(Sink):
         self._cur_len = 0
         self._free: list[bytearray] = []
         self._slots = threading.Semaphore(_MAX_QUEUED)
-        # Re-entrant: a SIGTERM handler may abort while the main thread is inside abort().
-        self._lock = threading.RLock()
+        # abort() may run on the SIGTERM cleanup thread while the writer aborts too.
+        self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._parts: dict[int, Future[str]] = {}
         self._upload_id: str | None = None
