@@ -16,6 +16,7 @@ import torch
 
 from tensorstream.crypto import DecryptionParams, EncryptionParams
 from tensorstream.errors import ConfigError, DecryptionError, ManifestError
+from tensorstream.formats import tensorizer as tz
 from tensorstream.formats.tensorizer import INDEX_OFFSET
 
 from .conftest import assert_same, fast_passphrase_params, load, manifest_of, write
@@ -133,6 +134,13 @@ def test_truncated_file_with_rewritten_count_is_refused(raw_file) -> None:
     last = manifest_of(path)["manifest"]["tensors"][-1]
     data = bytearray(path.read_bytes()[: last["header_offset"]] + bytes(8))
     struct.pack_into("<Q", data, COUNT_OFFSET, len(sd) - 1)
+    # a careful attacker also zeroes the dropped index entry (a cut count alone is
+    # refused by the index check: bytes after the last entry)
+    head = tz.unpack_file_header(bytes(data[:INDEX_OFFSET]))
+    end = INDEX_OFFSET + head.metadata_len
+    kept = tz.unpack_metadata(data[INDEX_OFFSET:end], len(sd) - 1, head.versioned_headers)
+    start = INDEX_OFFSET + len(tz.pack_metadata(kept, head.versioned_headers))
+    data[start:end] = bytes(end - start)
     path.write_bytes(bytes(data))
     assert "steps" not in load(path, _dec(enc), manifest=False)
     with pytest.raises(ManifestError, match=r"missing \['steps'\]"):
