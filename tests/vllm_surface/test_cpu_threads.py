@@ -83,3 +83,25 @@ def test_llm_sets_the_chosen_count(tensorized_dir):
         assert llm.cpu_threads == 2 and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_weight_readers_are_done_before_the_engine_runs(tensorized_dir):
+    """Loader threads never compete with the model's: the readers are joined by then."""
+    import threading
+
+    import torch
+
+    from tensorstream import LLM, SamplingParams
+
+    before = torch.get_num_threads()
+    try:
+        llm = LLM(str(tensorized_dir), dtype="float32", cpu_threads=1)  # every byte read
+        alive = [
+            t.name
+            for t in threading.enumerate()
+            if t.name.startswith(("tensorstream-read", "tensorstream-weights"))
+        ]
+        assert alive == []
+        assert llm.generate("Hi", SamplingParams(max_tokens=1))[0].outputs[0].token_ids
+    finally:
+        torch.set_num_threads(before)
