@@ -9,12 +9,21 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from tensorstream.errors import ConfigError, SourceNotFoundError
 
-__all__ = ["config_json", "context_length", "eos_ids", "load_config", "load_tokenizer"]
+__all__ = [
+    "config_json",
+    "context_length",
+    "eos_ids",
+    "load_config",
+    "load_tokenizer",
+    "pop_lora_dir",
+    "template_text",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -98,3 +107,31 @@ def eos_ids(files_dir: Path, config: Any, tokenizer: Any) -> set[int]:
         add(getattr(config, "eos_token_id", None))
     add(getattr(tokenizer, "eos_token_id", None))
     return ids
+
+
+def pop_lora_dir(extra: dict[str, Any]) -> str | None:
+    """Remove ``lora_dir`` (flat or in ``tensorizer_config``) from ``extra``; return it."""
+    lora_dir = extra.pop("lora_dir", None)
+    nested = extra.get("tensorizer_config")
+    if isinstance(nested, Mapping) and "lora_dir" in nested:
+        nested = dict(nested)
+        lora_dir = nested.pop("lora_dir") or lora_dir
+        extra["tensorizer_config"] = nested
+    return os.fspath(lora_dir) if lora_dir else None
+
+
+def template_text(template: str | os.PathLike[str]) -> str:
+    """A chat template given as a file path (as vLLM's ``chat_template``) or as the text."""
+    path = Path(os.fspath(template)).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError as exc:  # a long template string is not a path
+        if not isinstance(template, str):
+            raise ConfigError(f"cannot read chat template {path}: {exc}") from exc
+    if isinstance(template, str) and ("{%" in template or "{{" in template):
+        return template
+    raise ConfigError(
+        f"chat_template {os.fspath(template)!r} is neither a file nor a Jinja template; "
+        "give the path of a .jinja file or the template text"
+    )
