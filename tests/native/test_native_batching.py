@@ -156,3 +156,25 @@ def test_kv_cache_grows_past_its_first_length(tiny):
 def test_bad_chunk_size_is_refused(tiny):
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
         LLM(str(tiny("llama")), device="cpu", max_num_batched_tokens=-1)
+
+
+def test_smollm2_bf16_alone_equals_beside_others(smollm2_dir):
+    """bf16 rounding must not depend on the other rows: a request decoding beside another
+    gets exactly its solo tokens (regression: one-row GEMV vs GEMM, masked SDPA width)."""
+    llm = LLM("smollm2-135m", device="cpu")
+    first = llm.tokenizer("The capital of France is")["input_ids"]
+    second = llm.tokenizer("def fibonacci(n):")["input_ids"]
+    long_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    alone = _alone(llm, first, 40)
+    for join in (1, 3):
+        core = llm.engine
+        request = core.add_request(first, long_params)
+        done, step = {}, 0
+        while core.has_unfinished_requests():
+            if step == join:
+                core.add_request(second, SamplingParams(temperature=0, max_tokens=12))
+            for out in core.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            step += 1
+        assert done[request] == alone

@@ -150,10 +150,22 @@ class NativeEngineCore(EngineCore):
         self.cache.ensure(len(self._rows), key_len)
         pos = torch.tensor(positions, device=self.device)
         ids = torch.tensor([[r.seq.token_ids[-1]] for r in rows], device=self.device)
-        uniform = min(positions) == key_len - 1 and (self.window is None or key_len <= self.window)
-        mask = None if uniform else self._mask(pos[:, None], key_len)
         adapters = self._adapters([r.seq for r in rows])
-        batch = AttentionBatch(self.cache, slice(0, n), None, pos, key_len, mask, adapters)
+        if self.window is None or key_len <= self.window:
+            # Runs of equal length attend over exactly their own keys: a request's tokens
+            # are then the same whether it runs alone or beside others (bit for bit).
+            runs: list[tuple[int, int, int]] = []
+            for i, length in enumerate(positions):
+                if runs and runs[-1][2] == length + 1:
+                    runs[-1] = (runs[-1][0], i + 1, length + 1)
+                else:
+                    runs.append((i, i + 1, length + 1))
+            batch = AttentionBatch(
+                self.cache, slice(0, n), None, pos, key_len, None, adapters, runs
+            )
+        else:  # sliding window: one masked pass
+            mask = self._mask(pos[:, None], key_len)
+            batch = AttentionBatch(self.cache, slice(0, n), None, pos, key_len, mask, adapters)
         hidden = self.model.hidden_states(ids, pos[:, None], batch)
         logits = self.model.logits(hidden[:, -1], adapters)
         for r in rows:
@@ -168,7 +180,13 @@ class NativeEngineCore(EngineCore):
                 return
             prompt = entry.seq.request.prompt_token_ids
             start = entry.cached
-            take = min(budget, len(prompt) - start)
+            # Chunks always start at multiples of the chunk size, whatever else ran this
+            # step: the same prompt is then computed in the same pieces (the same rounding)
+            # whether it arrives alone or behind others.
+            take = min(self.chunk, len(prompt) - start)
+            if take > budget:
+                self._prefilling = entry
+                return
             end = start + take
             budget -= take
             self.cache.ensure(len(self._rows), end)
