@@ -202,3 +202,14 @@ def test_encrypted_model_no_key_names_the_llm_keyword(tensorized_dir, tmp_path):
         _build_llm(args, {})
     assert "--keyfile PATH or --passphrase-env VAR" in str(info.value)
     assert "LLM(" not in str(info.value)
+
+
+def test_lora_request_config_reads_string_booleans():
+    """Regression: ``tensorizer_config_dict={"verify_hash": "False"}`` turned hashing on."""
+    from tensorstream import LoRARequest
+    from tensorstream.engine.adapter_files import AdapterOptions
+
+    options = AdapterOptions.from_config({"verify_hash": "False", "num_readers": "3"})
+    assert options.verify_hash is False and options.num_readers == 3
+    request = LoRARequest("a", 1, "/adapters/a", tensorizer_config_dict={"verify_hash": "True"})
+    assert AdapterOptions.from_config(request.tensorizer_config_dict).verify_hash is True

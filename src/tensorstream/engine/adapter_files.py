@@ -82,6 +82,8 @@ class AdapterOptions:
                 f"LoRA tensorizer_config_dict keys {unknown} are not understood; "
                 f"valid keys: {', '.join(sorted(cls._KEYS))}"
             )
+        from tensorstream.engine.vllm_args import parse_bool
+
         base = base or cls()
         creds = {
             k: config[k]
@@ -94,8 +96,9 @@ class AdapterOptions:
         return cls(
             storage=storage,
             encryption_keyfile=config.get("encryption_keyfile") or base.encryption_keyfile,
-            num_readers=config.get("num_readers") or base.num_readers,
-            verify_hash=bool(config.get("verify_hash", base.verify_hash)),
+            num_readers=int(config.get("num_readers") or 0) or base.num_readers,
+            # "False" from a vLLM-style JSON config must not count as true
+            verify_hash=parse_bool(config.get("verify_hash", base.verify_hash), "verify_hash"),
         )
 
 
