@@ -61,7 +61,10 @@ class LoadStats:
             'tensorizer, 2.0 MB read in 0.50 s (0.00 GB/s); build 0.10 s'
         """
         parts = [self.load_format]
-        if self.bytes_read:
+        if 0 < self.bytes_read < 1_000_000:
+            # A few odd tensors beside a mapped file: too little for a meaningful rate.
+            parts.append(f"{self.bytes_read / 1e3:.1f} kB read")
+        elif self.bytes_read:
             parts.append(
                 f"{self.bytes_read / 1e6:.1f} MB read in {self.read_seconds:.2f} s "
                 f"({self.gb_per_s:.2f} GB/s)"
