@@ -265,7 +265,8 @@ REASONS: Mapping[str, str] = {
     "lora_dtype": "adapters run in the model's dtype",
     "max_cpu_loras": "adapters not in use are evicted, not kept on the CPU",
     "fully_sharded_loras": "there is no tensor parallelism to shard adapters over",
-    "trust_request_chat_template": "requests cannot bring their own chat template",
+    "trust_request_chat_template": "honoured by serve (--trust-request-chat-template); LLM() "
+    "renders only the templates its caller passes",
     "uvicorn_log_level": "",  # honoured by serve; listed so LLM() explains it
     "tokenizer_mode": "the tokenizer is always the Hugging Face (fast) tokenizer",
     "device": "choose it with tensorstream's --device / LLM(device=...)",
