@@ -89,3 +89,17 @@ def main_raising(argv: list[str]) -> None:
 
     args = build_parser(argv).parse_args(argv)
     args._run(args)
+
+
+def test_the_guides_script_takes_vllm_engine_flags(tmp_path, capsys):
+    """vLLM's tensorize_vllm_model.py accepts every EngineArgs flag before the subcommand."""
+    argv = ["tensorize", "--model", "smollm2-135m", "--quantization", "awq", "--enforce-eager"]
+    argv += ["serialize", "--serialized-directory", str(tmp_path)]
+    assert main(argv) == 2
+    assert "--quantization awq cannot be honoured" in capsys.readouterr().err
+    from tensorstream.cli.main import build_parser
+
+    ok = ["tensorize", "--model", "m", "--gpu-memory-utilization", "0.9", "--enforce-eager"]
+    ok += ["-tp", "1", "deserialize", "--serialized-directory", str(tmp_path)]
+    args = build_parser(ok).parse_args(ok)
+    assert args.tensorize_command == "deserialize"

@@ -60,6 +60,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     engine.add_argument(
         "--lora-path", help="LoRA adapter (PEFT dir) to serialize with, or load with, the model"
     )
+    from tensorstream.engine.vllm_args import add_vllm_options
+
+    # The guide's script takes every vLLM engine flag here; so do we (checked in run()).
+    own = {f[2:].replace("-", "_") for act in parser._actions for f in act.option_strings}
+    add_vllm_options(parser, own | {"model"})
     sub = parser.add_subparsers(dest="tensorize_command", metavar="{serialize,deserialize}")
     sub.required = True
 
@@ -236,7 +241,10 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         TensorStreamError: any failure, with a message saying what to do.
     """
+    from tensorstream.engine.vllm_args import apply_vllm_options, vllm_options_given
+
     _check_engine(args)
+    apply_vllm_options(vllm_options_given(args), "cli")
     if args.tensorize_command == "serialize":
         return _serialize(args)
     return _deserialize(args)
