@@ -18,7 +18,8 @@ from bench.run import main  # noqa: E402
 from bench.touch import touch_all  # noqa: E402
 
 LOADERS = ["tensorizer-r1", "tensorizer-default-verify", "safetensors-load_file", "readinto-fresh",
-           "readinto-touched", "tensorstream-r2"]  # fmt: skip
+           "readinto-touched", "tensorstream-r2", "tensorstream-r4-tzfile",
+           "tensorstream-r4-tzfile-noarena", "tensorstream-r4-verify-crc32"]  # fmt: skip
 OTHERS = ["touch-resident", "serialize-tensorizer", "serialize-tensorstream"]
 
 
