@@ -26,6 +26,7 @@ print(json.dumps({
     "impl": llm.model_impl,
     "text": out[0].outputs[0].text,
     "heavy": sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "peft")),
+    "dynamo": "torch._dynamo" in sys.modules,
 }))
 """
 
@@ -45,6 +46,9 @@ def test_llm_hot_path_imports_no_transformers(smollm2_dir, tiny):
     result = _run_llm("smollm2-135m")
     assert result["impl"] == "native" and result["text"]
     assert result["heavy"] == []
+    # Regression: default init of the meta embedding (normal_) imported torch._dynamo,
+    # seconds of a cold start; the native modules skip init altogether.
+    assert result["dynamo"] is False
     # The same script on a model the native code does not cover does import transformers,
     # so the check above can fail.
     import transformers

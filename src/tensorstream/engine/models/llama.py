@@ -53,6 +53,25 @@ class AttentionBatch:
     runs: list[tuple[int, int, int]] | None = None
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` without random init: its weights always come from the checkpoint."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` without random init.
+
+    Its default init (``normal_``) on the meta device goes through torch's Python
+    reference ops, whose first use imports ``torch._dynamo``: measured 1-9 s of a
+    cold start, for values that are thrown away.
+    """
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 and scaled in the input's dtype."""
 
@@ -91,10 +110,10 @@ class Attention(nn.Module):
         self.head_dim = d = config.head_dim
         self.groups = self.heads // self.kv_heads
         qkv_bias = config.attention_bias or config.qkv_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.heads * d, bias=qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.kv_heads * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.kv_heads * d, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.heads * d, config.hidden_size, bias=config.attention_bias)
+        self.q_proj = Linear(config.hidden_size, self.heads * d, bias=qkv_bias)
+        self.k_proj = Linear(config.hidden_size, self.kv_heads * d, bias=qkv_bias)
+        self.v_proj = Linear(config.hidden_size, self.kv_heads * d, bias=qkv_bias)
+        self.o_proj = Linear(self.heads * d, config.hidden_size, bias=config.attention_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
@@ -150,9 +169,9 @@ class MLP(nn.Module):
         super().__init__()
         bias = config.mlp_bias
         self.prefix = f"model.layers.{layer}.mlp."
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
         p = self.prefix
@@ -188,7 +207,7 @@ class Backbone(nn.Module):
 
     def __init__(self, config: NativeConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i) for i in range(config.num_hidden_layers)
         )
@@ -216,7 +235,7 @@ class NativeCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
     def dtype(self) -> torch.dtype:
