@@ -25,7 +25,9 @@ from it, so ``except FileNotFoundError`` keeps working::
     │   └── RetriesExhaustedError           transient failures outlasted the retry budget
     ├── SerializationError                  cannot write what was asked
     │   └── MetadataOverflowError           more tensors than the reserved index holds
+    ├── ParallelError                       a tensor-parallel rank failed (names rank, cause)
     └── ConfigError (ValueError)            bad option, key or argument
+        └── ShardMismatchError              rank files vs. world size / plan / sidecar
 
 Messages name the tensor, byte offset or URI involved and say what to do next.
 Backend errors are re-raised with ``raise ... from`` so the original stays attached.
@@ -47,9 +49,11 @@ __all__ = [
     "ManifestError",
     "MetadataOverflowError",
     "NotEncryptedError",
+    "ParallelError",
     "RangeNotSupportedError",
     "RetriesExhaustedError",
     "SerializationError",
+    "ShardMismatchError",
     "SourceChangedError",
     "SourceError",
     "SourceNotFoundError",
@@ -141,6 +145,14 @@ class MetadataOverflowError(SerializationError):
 
 class ConfigError(TensorStreamError, ValueError):
     """An option, key or argument is invalid."""
+
+
+class ShardMismatchError(ConfigError):
+    """A tensor-parallel rank file set does not match the ranks loading it."""
+
+
+class ParallelError(TensorStreamError):
+    """A tensor-parallel rank failed; every rank stops (the message names rank and cause)."""
 
 
 class KeyDerivationLimitError(CryptoError, ConfigError):

@@ -138,6 +138,7 @@ class TensorDeserializer(Mapping[Any, Any]):
         progress: bool = False,
         manifest: str | os.PathLike[str] | bytes | bool | None = None,
         require_manifest: bool = False,
+        shard: Any = None,
     ) -> None:
         if verify_hash not in (False, True, "crc32"):
             raise ConfigError(f'verify_hash must be True, False or "crc32", got {verify_hash!r}')
@@ -146,6 +147,10 @@ class TensorDeserializer(Mapping[Any, Any]):
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise ConfigError(f"dtype must be a torch.dtype, got {dtype!r}")
         self._owns_source = not isinstance(source, Source)
+        if shard is not None:  # a rank-file template names this rank's own file
+            from tensorstream.deserialize.rankfiles import open_rank_file
+
+            source, shard = open_rank_file(source, shard, storage)
         self._source = _open(source, storage)
         try:
             self._index = read_index(self._source)
@@ -161,6 +166,7 @@ class TensorDeserializer(Mapping[Any, Any]):
                 source, manifest, require_manifest, storage, encryption
             )
             self._records = self._select(filter_func)
+            self._slices = self._plan_shard(shard, encryption, lazy_load)
             check_allocation(self._index, self._records, self._source.display_uri)
             self._by_key = {r.key: r for r in self._records}
             self._pipeline = RecordPipeline(
@@ -179,7 +185,8 @@ class TensorDeserializer(Mapping[Any, Any]):
             self.load_seconds = 0.0
             self._warned_norange = False
             if not lazy_load:
-                self._load(self._records)
+                self._load([r for r in self._records if r.key not in self._slices])
+                self._load_slices()
         except BaseException:
             self.close()
             raise
@@ -258,6 +265,52 @@ class TensorDeserializer(Mapping[Any, Any]):
                 f"{self._source.display_uri}; nothing to load"
             )
         return chosen
+
+    def _plan_shard(self, shard: Any, encryption: Any, lazy: bool) -> dict[Any, Any]:
+        """Record key -> this rank's ``SlicePlan`` for the tensors ``shard`` splits."""
+        if shard is None:
+            return {}
+        from tensorstream.deserialize.shard import ShardSpec, plan_slice
+
+        if not isinstance(shard, ShardSpec):
+            raise ConfigError(f"shard must be a ShardSpec, got {type(shard).__name__}")
+        where = self._source.display_uri
+        if encryption is not None:
+            raise ConfigError(
+                f"{where} is encrypted; a rank cannot slice an encrypted file (its 2 MiB "
+                "chunks are authenticated whole); write rank files (serialize_sharded) instead"
+            )
+        if lazy:
+            raise ConfigError("shard= loads this rank's slices at once; drop lazy_load")
+        plans = {}
+        for r in self._records:
+            dim = shard.action(r.name)
+            if dim is not None and shard.world_size > 1:
+                plans[r.key] = plan_slice(r, shard, dim)
+        self._shard = shard
+        return plans
+
+    def _load_slices(self) -> None:
+        """Fetch this rank's slices (never verified: a slice cannot check a whole-tensor
+        hash; docs/parallel.md) and add them as parameters."""
+        if not self._slices:
+            return
+        from tensorstream.deserialize.shard import load_slices
+
+        started = time.perf_counter()
+        readers = self._num_readers or self._source.preferred_readers
+        tensors, nbytes = load_slices(
+            self._source,
+            list(self._slices.values()),
+            readers=readers if self._source.supports_ranges else 1,
+            max_gap=self._shard.max_gap,
+        )
+        for key, tensor in tensors.items():
+            if self._dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(self._dtype)
+            self._tensors[key] = torch.nn.Parameter(tensor.to(self._device), requires_grad=False)
+        self.load_seconds += time.perf_counter() - started
+        self.total_bytes_read += nbytes
 
     # ------------------------------------------------------------ loading
 
@@ -507,7 +560,8 @@ class TensorDeserializer(Mapping[Any, Any]):
     def _verify_late(self, records: list[TensorRecord], verify: bool = True) -> None:
         """Check headers and (with ``verify``) hashes of tensors loaded without, by
         re-reading them; meta and empty tensors re-read only their header."""
-        todo = [r for r in records if r.key not in self._verified]
+        sliced = getattr(self, "_slices", {})  # a slice cannot be checked against its hash
+        todo = [r for r in records if r.key not in self._verified and r.key not in sliced]
         if not todo or not self._index.has_headers:
             return
         for r in todo:
