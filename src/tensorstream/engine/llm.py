@@ -14,7 +14,6 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +29,8 @@ from tensorstream.engine.model_files import (
     eos_ids,
     load_config,
     load_tokenizer,
+    pop_lora_dir,
+    template_text,
 )
 from tensorstream.engine.models.select import choose_model_impl, fill_native, prepare_native
 from tensorstream.engine.native_core import NativeEngineCore
@@ -122,7 +123,7 @@ class LLM:
             )
         extra = _parse_extra(model_loader_extra_config)
         # vLLM's name for the adapter written beside the model; the loaders never see it.
-        self.lora_dir: str | None = _pop_lora_dir(extra)
+        self.lora_dir: str | None = pop_lora_dir(extra)
         for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -165,7 +166,7 @@ class LLM:
             self.dtype = resolve_dtype(dtype, self.config)
             self.load_format = load_format
             if chat_template is not None:
-                self.tokenizer.chat_template = _template_text(chat_template)
+                self.tokenizer.chat_template = template_text(chat_template)
             weights, read_seconds = _keyed(pending.result)
         except BaseException:
             _discard(pending)
@@ -446,34 +447,6 @@ def _default_device() -> torch.device:
 
 def _parse_extra(extra: Mapping[str, Any] | str | None) -> dict[str, Any]:
     return json_object(extra, "model_loader_extra_config")
-
-
-def _pop_lora_dir(extra: dict[str, Any]) -> str | None:
-    """Remove ``lora_dir`` (flat or in ``tensorizer_config``) from ``extra``; return it."""
-    lora_dir = extra.pop("lora_dir", None)
-    nested = extra.get("tensorizer_config")
-    if isinstance(nested, Mapping) and "lora_dir" in nested:
-        nested = dict(nested)
-        lora_dir = nested.pop("lora_dir") or lora_dir
-        extra["tensorizer_config"] = nested
-    return os.fspath(lora_dir) if lora_dir else None
-
-
-def _template_text(template: str | os.PathLike[str]) -> str:
-    """A chat template given as a file path (as vLLM's ``chat_template``) or as the text."""
-    path = Path(os.fspath(template)).expanduser()
-    try:
-        if path.is_file():
-            return path.read_text()
-    except OSError as exc:  # a long template string is not a path
-        if not isinstance(template, str):
-            raise ConfigError(f"cannot read chat template {path}: {exc}") from exc
-    if isinstance(template, str) and ("{%" in template or "{{" in template):
-        return template
-    raise ConfigError(
-        f"chat_template {os.fspath(template)!r} is neither a file nor a Jinja template; "
-        "give the path of a .jinja file or the template text"
-    )
 
 
 def _keyed(fn: Any, *args: Any) -> Any:
