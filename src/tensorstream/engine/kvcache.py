@@ -3,10 +3,12 @@
 Layout per layer: keys and values of shape ``[rows, kv_heads, length, head_dim]``.
 A sequence owns one row for its whole life; its cached tokens are
 ``[:, :, :n]`` of that row. The engine keeps running sequences in rows
-``0..n-1`` (compacting when one finishes), so a decode step reads the batch's
-keys as a *view* ``[:n, :, :longest]`` — no gather, no copy — and a boolean
-mask hides each row's unused tail. Rows and length grow by doubling, so memory
-follows the actual load instead of ``max_num_seqs * max_model_len``.
+``0..n-1`` (compacting when one finishes), so a decode step reads a run of rows
+with the same length as a *view* ``[r0:r1, :, :length]`` — no gather, no copy.
+The model's attention writes and reads the slabs in place
+(``engine/models/llama.py``, ``Attention._attend_planned``). Rows and length grow
+by doubling, so memory follows the actual load instead of
+``max_num_seqs * max_model_len``.
 
 Why a slab and not pages: on CPU a paged layout must gather each step's keys
 into a contiguous tensor for SDPA, which copies the whole live cache every
@@ -14,8 +16,6 @@ step; the slab view copies nothing (``bench/cold_start.py --kv-layout`` measures
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 
@@ -93,28 +93,3 @@ class KVCache:
         for slabs in (self.keys, self.values):
             for slab in slabs:
                 slab[dst, :, :length] = slab[src, :, :length]
-
-    def update(
-        self, layer: int, key: torch.Tensor, value: torch.Tensor, batch: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this step's keys/values; return the keys/values the queries attend over.
-
-        Args:
-            layer: decoder layer index.
-            key, value: [batch, kv_heads, tokens, head_dim] for the new tokens.
-            batch: an :class:`~tensorstream.engine.models.llama.AttentionBatch`.
-        """
-        keys, values = self.keys[layer], self.values[layer]
-        if batch.start is not None:  # one sequence, a chunk of consecutive positions
-            row, start = batch.rows, batch.start
-            end = start + key.shape[2]
-            keys[row, :, start:end] = key[0]
-            values[row, :, start:end] = value[0]
-            return keys[row : row + 1, :, : batch.key_len], values[
-                row : row + 1, :, : batch.key_len
-            ]
-        rows: slice = batch.rows  # decode: one new token per row, each at its own position
-        index = self._arange[rows]
-        keys[index, :, batch.positions] = key[:, :, 0]
-        values[index, :, batch.positions] = value[:, :, 0]
-        return keys[rows, :, : batch.key_len], values[rows, :, : batch.key_len]

@@ -102,18 +102,18 @@ class NativeEngineCore(EngineCore):
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Decode one token for every running sequence, then prefill up to one chunk.
+        """One forward pass: a token for every running sequence, plus up to one chunk of prompts.
 
         Returns:
             One ``RequestOutput`` per request that advanced this step (``finished`` set on
             its last one). Finished requests are forgotten afterwards.
         """
         touched: dict[str, _Request] = {}
-        decoding = [r for r in self._rows if r.decoding and r.seq.finish_reason is None]
-        if decoding:
-            self._compact()
-            self._decode([r for r in self._rows if r.decoding], touched)
-        self._prefill(touched)
+        self._compact()
+        decoding = [r for r in self._rows if r.decoding]  # rows 0..n-1 after _compact
+        chunks = self._plan_prefill()
+        if decoding or chunks:
+            self._forward(decoding, chunks, touched)
         self._compact()
         outputs = [request.output() for request in touched.values()]
         for out in outputs:
@@ -134,85 +134,34 @@ class NativeEngineCore(EngineCore):
                 entry.row = new
         self._rows = live
 
-    def _mask(self, queries: torch.Tensor, key_len: int) -> torch.Tensor:
-        """Boolean [rows, 1, tokens, key_len]: key j is visible to a query at position p
-        when j <= p (and within the sliding window, if any)."""
-        keys = torch.arange(key_len, device=self.device)
-        visible = keys[None, None, :] <= queries[:, :, None]
-        if self.window is not None:
-            visible &= keys[None, None, :] > queries[:, :, None] - self.window
-        return visible[:, None]
+    def _plan_prefill(self) -> list[tuple[_Row, int, int]]:
+        """Prompt chunks for this step: (row, start, end), at most ``chunk`` tokens in all.
 
-    def _decode(self, rows: list[_Row], touched: dict[str, _Request]) -> None:
-        n = len(rows)  # rows 0..n-1 of the slab, after _compact
-        positions = [r.cached for r in rows]
-        key_len = max(positions) + 1
-        self.cache.ensure(len(self._rows), key_len)
-        pos = torch.tensor(positions, device=self.device)
-        ids = torch.tensor([[r.seq.token_ids[-1]] for r in rows], device=self.device)
-        adapters = self._adapters([r.seq for r in rows])
-        if self.window is None or key_len <= self.window:
-            # Runs of equal length attend over exactly their own keys: a request's tokens
-            # are then the same whether it runs alone or beside others (bit for bit).
-            runs: list[tuple[int, int, int]] = []
-            for i, length in enumerate(positions):
-                if runs and runs[-1][2] == length + 1:
-                    runs[-1] = (runs[-1][0], i + 1, length + 1)
-                else:
-                    runs.append((i, i + 1, length + 1))
-            batch = AttentionBatch(
-                self.cache, slice(0, n), None, pos, key_len, None, adapters, runs
-            )
-        else:  # sliding window: one masked pass
-            mask = self._mask(pos[:, None], key_len)
-            batch = AttentionBatch(self.cache, slice(0, n), None, pos, key_len, mask, adapters)
-        hidden = self.model.hidden_states(ids, pos[:, None], batch)
-        logits = self.model.logits(hidden[:, -1], adapters)
-        for r in rows:
-            r.cached += 1
-        self._sample_rows([r.seq for r in rows], logits, touched)
-
-    def _prefill(self, touched: dict[str, _Request]) -> None:
-        budget = self.chunk
+        Chunks always start at multiples of the chunk size, whatever else runs this step:
+        a prompt is then computed in the same pieces (the same rounding) whether it
+        arrives alone or behind others. Only the last planned prompt may stay unfinished.
+        """
+        budget, plan = self.chunk, []
         while budget > 0:
             entry = self._prefilling or self._admit()
             if entry is None:
-                return
-            prompt = entry.seq.request.prompt_token_ids
+                break
+            prompt_len = len(entry.seq.request.prompt_token_ids)
             start = entry.cached
-            # Chunks always start at multiples of the chunk size, whatever else ran this
-            # step: the same prompt is then computed in the same pieces (the same rounding)
-            # whether it arrives alone or behind others.
-            take = min(self.chunk, len(prompt) - start)
+            take = min(self.chunk, prompt_len - start)
             if take > budget:
                 self._prefilling = entry
-                return
-            end = start + take
+                break
+            plan.append((entry, start, start + take))
             budget -= take
-            self.cache.ensure(len(self._rows), end)
-            ids = torch.tensor([prompt[start:end]], device=self.device)
-            positions = torch.arange(start, end, device=self.device)[None]
-            plain = start == 0 and (self.window is None or end <= self.window)
-            mask = None if plain else self._mask(positions, end)
-            adapters = self._adapters([entry.seq])
-            batch = AttentionBatch(self.cache, entry.row, start, None, end, mask, adapters)
-            hidden = self.model.hidden_states(ids, positions, batch)
-            entry.cached = end
-            if end < len(prompt):
+            if start + take < prompt_len:
                 self._prefilling = entry
-                continue
+                break
             self._prefilling = None
-            logits = self.model.logits(hidden[:, -1], adapters)
-            self._start_decoding(entry, logits, touched)
-
-    def _adapters(self, sequences: list[_Sequence]) -> Any:
-        """The rows' LoRA adapters for one forward (None: every row runs the base model)."""
-        if self.lora_manager is None:
-            return None
-        return self.lora_manager.batch([seq.request.adapter for seq in sequences])
+        return plan
 
     def _admit(self) -> _Row | None:
-        """Give the oldest waiting request a row, if one fits."""
+        """Give the oldest waiting request rows (one per completion), if they fit."""
         while self._waiting:
             request = self._waiting[0]
             if len(self._rows) + len(request.sequences) > self.max_num_seqs and self._rows:
@@ -220,23 +169,110 @@ class NativeEngineCore(EngineCore):
             self._waiting.pop(0)
             if request.sequences[0].finish_reason is not None:  # aborted while waiting
                 continue
-            entry = _Row(request.sequences[0], len(self._rows))
-            self._rows.append(entry)
-            return entry
+            # The n - 1 other completions get their rows now, right after the prompt's,
+            # so rows stay ordered: decoding ones first, the unfinished prompt last.
+            first = len(self._rows)
+            entries = [_Row(seq, first + i) for i, seq in enumerate(request.sequences)]
+            self._rows.extend(entries)
+            return entries[0]
         return None
+
+    def _mask(self, queries: torch.Tensor, key_len: int) -> torch.Tensor:
+        """Boolean [1, 1, queries, key_len]: key j is visible to a query at position p when
+        j <= p and j > p - sliding_window."""
+        keys = torch.arange(key_len, device=self.device)
+        visible = (keys[None, :] <= queries[:, None]) & (
+            keys[None, :] > queries[:, None] - self.window
+        )
+        return visible[None, None]
+
+    def _forward(
+        self,
+        decoding: list[_Row],
+        chunks: list[tuple[_Row, int, int]],
+        touched: dict[str, _Request],
+    ) -> None:
+        """Run the step's decode tokens and prompt chunks as one flat batch of token rows."""
+        tokens = [r.seq.token_ids[-1] for r in decoding]
+        positions = [r.cached for r in decoding]
+        owners = [r.seq for r in decoding]
+        plan: list[tuple] = []
+        length = 1
+        for i, entry in enumerate(decoding):
+            key_len = entry.cached + 1
+            length = max(length, key_len)
+            last = plan[-1] if plan else None
+            if last is not None and last[5] == key_len:
+                plan[-1] = ("decode", last[1], i + 1, last[3], entry.row + 1, key_len, None)
+            else:
+                plan.append(("decode", i, i + 1, entry.row, entry.row + 1, key_len, None))
+        if self.window is not None:
+            for j, item in enumerate(plan):
+                if item[5] > self.window:
+                    mask = self._mask(torch.tensor([item[5] - 1], device=self.device), item[5])
+                    plan[j] = (*item[:6], mask)
+        finishing = []  # (row, index of the prompt's last token row)
+        for entry, start, end in chunks:
+            prompt = entry.seq.request.prompt_token_ids
+            first = len(tokens)
+            tokens += prompt[start:end]
+            positions += range(start, end)
+            owners += [entry.seq] * (end - start)
+            length = max(length, end)
+            mask = None
+            if start > 0 or (self.window is not None and end > self.window):
+                window = self.window if self.window is not None else end + 1
+                keys = torch.arange(end, device=self.device)
+                queries = torch.arange(start, end, device=self.device)
+                visible = (keys[None, :] <= queries[:, None]) & (
+                    keys[None, :] > queries[:, None] - window
+                )
+                mask = visible[None, None]
+            plan.append(("prefill", first, len(tokens), entry.row, start, mask))
+            if end == len(prompt):
+                finishing.append((entry, len(tokens) - 1))
+        self.cache.ensure(len(self._rows), length)
+        ids = torch.tensor(tokens, device=self.device)[:, None]
+        pos = torch.tensor(positions, device=self.device)[:, None]
+        adapters = self._adapters(owners)
+        batch = AttentionBatch(self.cache, plan, None, adapters)
+        hidden = self.model.hidden_states(ids, pos, batch)[:, 0]
+        picked = list(range(len(decoding))) + [index for _, index in finishing]
+        if not picked:
+            for entry, _, end in chunks:
+                entry.cached = end
+            return
+        logit_owners = [owners[i] for i in picked]
+        index = torch.tensor(picked, device=self.device)
+        logits = self.model.logits(hidden[index], self._adapters(logit_owners))
+        for entry in decoding:
+            entry.cached += 1
+        for entry, _, end in chunks:
+            entry.cached = end
+        n = len(decoding)
+        if n:
+            self._sample_rows([r.seq for r in decoding], logits[:n], touched)
+        for k, (entry, _) in enumerate(finishing):
+            self._start_decoding(entry, logits[n + k : n + k + 1], touched)
+
+    def _adapters(self, sequences: list[_Sequence]) -> Any:
+        """The rows' LoRA adapters for one forward (None: every row runs the base model)."""
+        if self.lora_manager is None:
+            return None
+        return self.lora_manager.batch([seq.request.adapter for seq in sequences])
 
     def _start_decoding(
         self, entry: _Row, logits: torch.Tensor, touched: dict[str, _Request]
     ) -> None:
-        """After a prompt's last chunk: copy its cache row to its other ``n - 1``
+        """After a prompt's last chunk: copy its cache row to the rows of its other ``n - 1``
         completions, and sample every completion's first token from the prompt's logits."""
         request = entry.seq.request
+        others = {id(seq) for seq in request.sequences[1:]}
+        for sibling in self._rows:
+            if id(sibling.seq) in others:
+                self.cache.move(entry.row, sibling.row, entry.cached)
+                sibling.cached, sibling.decoding = entry.cached, True
         entry.decoding = True
-        for seq in request.sequences[1:]:
-            row = len(self._rows)
-            self.cache.ensure(row + 1, entry.cached)
-            self.cache.move(entry.row, row, entry.cached)
-            self._rows.append(_Row(seq, row, entry.cached, decoding=True))
         sequences = request.sequences
         self._sample_rows(sequences, logits.expand(len(sequences), -1), touched)
 

@@ -26,31 +26,31 @@ __all__ = ["AttentionBatch", "NativeCausalLM"]
 
 @dataclass
 class AttentionBatch:
-    """Where one forward pass writes its keys/values and which cached keys each query sees.
+    """How one forward pass uses the engine's KV cache.
+
+    The engine flattens a step into token rows (input ``[tokens, 1]``): the decode
+    tokens of the running sequences first, then prompt chunks. ``plan`` says what each
+    stretch of rows is:
+
+    * ``("decode", first, stop, row0, row1, key_len, mask)``: rows ``first..stop`` are
+      one new token each of cache rows ``row0..row1``, all at position ``key_len - 1``.
+      Only equal lengths share an item, so each attends over exactly its own keys and a
+      request's arithmetic never depends on the other rows (SDPA over extra, masked keys
+      rounds differently).
+    * ``("prefill", first, stop, row, start, mask)``: rows ``first..stop`` are one prompt
+      chunk of cache row ``row``, positions ``start..``; causal (``mask`` None) or masked.
 
     Attributes:
-        cache: the engine's KV cache (``None``: attend within the given tokens only).
-        rows: cache rows of the batch rows — a ``slice`` (contiguous rows, read as views)
-            or one int (a single sequence, e.g. a prefill chunk).
-        start: first position written (prefill chunk) — or ``None`` for decode, where
-            ``positions`` holds each row's own write position.
-        positions: [batch] write positions (decode).
-        key_len: cached keys to attend over after the write.
-        mask: boolean [batch, 1, tokens, key_len] (True = attend), or None for plain causal.
+        cache: the :class:`~tensorstream.engine.kvcache.KVCache` (None: no cache).
+        plan: the items above, or None for a plain causal pass over ``[batch, tokens]``.
+        mask: boolean [batch, 1, tokens, tokens] for a plain pass (sliding windows).
         adapters: per-row LoRA state (``engine/models/lora.py``), or None.
-        runs: decode only: ``(first, stop, key_len)`` per run of consecutive rows with the
-            same length. Each run attends over exactly its own keys, so a row's arithmetic
-            never depends on the other rows (SDPA over extra masked keys rounds differently).
     """
 
-    cache: Any
-    rows: slice | int
-    start: int | None
-    positions: torch.Tensor | None
-    key_len: int
-    mask: torch.Tensor | None
+    cache: Any = None
+    plan: list[tuple[Any, ...]] | None = None
+    mask: torch.Tensor | None = None
     adapters: Any = None
-    runs: list[tuple[int, int, int]] | None = None
 
 
 class Linear(nn.Linear):
@@ -136,30 +136,52 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
-        mask = batch.mask if batch is not None else None
-        if batch is not None and batch.cache is not None:
-            k, v = batch.cache.update(self.layer, k, v, batch)
-        gqa = self.groups > 1
-        if tokens > 1:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa
-            )
+        if batch is not None and batch.plan is not None:
+            out = self._attend_planned(q, k, v, batch)
         else:
-            # Decode: fold each kv head's query group into the query axis, so SDPA needs
-            # neither repeated keys nor its grouped path.
-            packed = q.reshape(rows, self.kv_heads, self.groups, self.head_dim)
-            runs = batch.runs if batch is not None else None
-            if runs:
-                parts = [
-                    F.scaled_dot_product_attention(packed[a:b], k[a:b, :, :n], v[a:b, :, :n])
-                    for a, b, n in runs
-                ]
-                out = parts[0] if len(parts) == 1 else torch.cat(parts)
-            else:
-                out = F.scaled_dot_product_attention(packed, k, v, attn_mask=mask)
-            out = out.reshape(rows, self.heads, 1, self.head_dim)
+            mask = batch.mask if batch is not None else None
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=mask is None and tokens > 1,
+                enable_gqa=self.groups > 1,
+            )  # fmt: skip
         out = out.transpose(1, 2).reshape(rows, tokens, -1)
         return _linear(out, self.o_proj, lora, prefix + "o_proj")
+
+    def _attend_planned(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """Write the step's keys/values into the cache and attend, item by item of the plan.
+
+        ``q``/``k``/``v`` are [token rows, heads, 1, head_dim]; returns [token rows, heads, 1, head_dim].
+        """
+        keys, values = batch.cache.keys[self.layer], batch.cache.values[self.layer]
+        parts = []
+        for item in batch.plan:
+            if item[0] == "decode":
+                _, first, stop, row0, row1, key_len, mask = item
+                keys[row0:row1, :, key_len - 1] = k[first:stop, :, 0]
+                values[row0:row1, :, key_len - 1] = v[first:stop, :, 0]
+                # Fold each kv head's query group into the query axis: no repeated keys.
+                n = stop - first
+                packed = q[first:stop].reshape(n, self.kv_heads, self.groups, self.head_dim)
+                out = F.scaled_dot_product_attention(
+                    packed, keys[row0:row1, :, :key_len], values[row0:row1, :, :key_len],
+                    attn_mask=mask,
+                )  # fmt: skip
+                parts.append(out.reshape(n, self.heads, 1, self.head_dim))
+            else:
+                _, first, stop, row, start, mask = item
+                end = start + stop - first
+                keys[row, :, start:end] = k[first:stop, :, 0].transpose(0, 1)
+                values[row, :, start:end] = v[first:stop, :, 0].transpose(0, 1)
+                out = F.scaled_dot_product_attention(
+                    q[first:stop, :, 0].transpose(0, 1)[None],
+                    keys[row : row + 1, :, :end], values[row : row + 1, :, :end],
+                    attn_mask=mask, is_causal=mask is None and stop - first > 1,
+                    enable_gqa=self.groups > 1,
+                )  # fmt: skip
+                parts.append(out[0].transpose(0, 1)[:, :, None])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class MLP(nn.Module):
@@ -286,6 +308,6 @@ class NativeCausalLM(nn.Module):
             mask = (steps[None, :] <= steps[:, None]) & (steps[None, :] > steps[:, None] - window)
             mask = mask[None, None]
         adapters = self.lora_manager.active() if self.lora_manager is not None else None
-        batch = AttentionBatch(None, 0, 0, None, tokens, mask, adapters)
+        batch = AttentionBatch(mask=mask, adapters=adapters)
         hidden = self.hidden_states(input_ids, positions, batch)
         return SimpleNamespace(logits=self.logits(hidden, adapters))
