@@ -77,6 +77,8 @@ class LLM:
             the fallback, for debugging).
         max_num_batched_tokens: prompt tokens the native engine prefills per step (the
             chunk size; default 512), so long prompts do not stall running requests.
+        tensor_parallel_size: ranks sharing the model (native Llama family): each loads
+            only its slices (or its rank file) and the steps run on all (docs/parallel.md).
 
     Raises:
         ConfigError: bad options (unknown load_format, dtype, extra config keys).
@@ -108,6 +110,7 @@ class LLM:
         max_num_seqs: int | None = None,
         cpu_threads: int | None = None,
         chat_template: str | os.PathLike[str] | None = None,
+        tensor_parallel_size: int = 1,
         **vllm_kwargs: Any,
     ) -> None:
         # vLLM's other EngineArgs: checked, or ignored with one WARNING each (vllm_args.py).
@@ -136,6 +139,23 @@ class LLM:
             model, revision=revision, storage=storage_from_extra(extra)
         )
         load_format = load_format if load_format != "auto" else detect_format(self.location, extra)
+        if tensor_parallel_size != 1:  # N ranks, each with its slices (engine/parallel/)
+            from tensorstream.engine.parallel.launch import start_parallel
+
+            start_parallel(
+                self,
+                tensor_parallel_size,
+                load_format=load_format,
+                extra=extra,
+                dtype=dtype,
+                seed=seed,
+                tokenizer=tokenizer,
+                max_model_len=max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens,
+                model_impl=model_impl,
+                chat_template=chat_template,
+            )
+            return
         loader = get_loader(load_format)
         # Start reading weights now, while transformers is imported and the config and
         # tokenizer are parsed: that import alone takes seconds, long enough to stream a
