@@ -83,6 +83,10 @@ class TensorstreamModelLoader(BaseModelLoader):
             "dtype": dtype,
             "num_readers": self.options.num_readers,
             "verify_hash": self.options.verify_hash,
+            # vLLM copies every tensor into its own parameters, so a view of the page
+            # cache saves no memory, and its page faults during those copies cost more
+            # (1.9 s against 0.6 s measured for SmolLM2) than parallel reads into memory.
+            "use_mmap": False,
         }
         if self.options.storage is not None:
             kwargs["storage"] = self.options.storage
