@@ -14,6 +14,9 @@ naming the flag. ``--model X`` (vLLM's older form) equals the positional MODEL, 
 ``--max_model_len`` equals ``--max-model-len``, as in vLLM. The address defaults to
 vLLM's: every interface (``0.0.0.0``), port 8000.
 
+The web console (``tensorstream.server.console``) is served at ``/`` unless
+``--no-ui``; the start-up phases it draws are marked here (``/v1/load_stats``).
+
 Example::
 
     tensorstream serve s3://my-bucket/vllm/facebook/opt-125m/v1 --load-format tensorizer \\
@@ -174,6 +177,12 @@ def _add_hardening_options(parser: argparse.ArgumentParser) -> None:
         help="accept a chat_template sent in a request (as vLLM)",
     )
     parser.add_argument(
+        "--no-ui",
+        dest="ui",
+        action="store_false",
+        help="do not serve the web console at / (default: served, behind --api-key)",
+    )
+    parser.add_argument(
         "--request-header-timeout",
         type=float,
         default=10.0,
@@ -312,6 +321,7 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         ConfigError: an option that cannot be honoured (before anything starts).
     """
+    entered = time.perf_counter()
     import uvicorn
 
     from tensorstream.errors import ConfigError
@@ -337,8 +347,11 @@ def run(args: argparse.Namespace) -> int:
         max_seqs_per_request=args.max_seqs_per_request,
         chat_template_timeout=args.chat_template_timeout,
         trust_request_chat_template=args.trust_request_chat_template,
+        ui=args.ui,
     )
     state = ServerState(options)
+    timeline = state.timeline  # what /v1/load_stats and the console show
+    timeline.add("startup", "interpreter, torch import, CLI", 0.0, timeline.at(entered))
     app = create_app(state)
     config = uvicorn.Config(
         app,
@@ -364,10 +377,19 @@ def run(args: argparse.Namespace) -> int:
 
     def load() -> None:
         try:
+            import tensorstream.engine  # noqa: F401 - timed apart from the load
+
+            timeline.add(
+                "imports", "server and engine imports", timeline.at(entered), timeline.now()
+            )
+            llm_started = timeline.now()
             llm = _build_llm(args, extra)
+            timeline.model_loaded(llm.load_stats, llm_started, timeline.now(), _readers(extra))
             state.attach(llm, ready=False)
             for name, path in modules:
+                adapter_started = timeline.now()
                 asyncio.run(state.adapters.load(name, path))
+                timeline.adapter_loaded(name, path, "startup", adapter_started, timeline.now())
                 logger.info("adapter %s loaded from %s", name, path)
             state.mark_ready()
         except BaseException as exc:  # noqa: BLE001 - reported, then the server exits
@@ -400,6 +422,17 @@ def run(args: argparse.Namespace) -> int:
         return 1
     logger.info("server stopped")
     return 0
+
+
+def _readers(extra: dict[str, Any]) -> int | None:
+    """Parallel readers the loader config asks for (None: the source chooses)."""
+    kwargs = extra.get("deserialization_kwargs")
+    value = kwargs.get("num_readers") if isinstance(kwargs, dict) else None
+    value = value if value is not None else extra.get("num_readers")
+    try:
+        return int(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _graceful_server_class() -> type:

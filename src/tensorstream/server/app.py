@@ -26,6 +26,7 @@ from tensorstream.server.errors import APIError, error_body, install_error_handl
 from tensorstream.server.metrics import ServerMetrics
 from tensorstream.server.render import BoundedRunner
 from tensorstream.server.security import AllowedRoots
+from tensorstream.server.timeline import StartupTimeline
 
 __all__ = ["ServeOptions", "ServerState", "create_app"]
 
@@ -46,8 +47,15 @@ _KNOWN_PATHS = frozenset(
         "/v1/chat/completions",
         "/v1/load_lora_adapter",
         "/v1/unload_lora_adapter",
+        "/v1/load_stats",
+        "/",
     }
 )
+# The console's page and files: open like a login page (the page asks for the key and
+# sends it with every API call) and served while the model loads.
+_CONSOLE_PREFIX = "/console/"
+# Answered while the model loads (/v1/load_stats: watching the load is its point).
+_WHILE_LOADING = frozenset({"/metrics", "/docs", "/openapi.json", "/v1/load_stats"})
 
 
 @dataclass(frozen=True)
@@ -67,6 +75,7 @@ class ServeOptions:
             rendered chat template) one request may send.
         chat_template_timeout: seconds a chat template may take to render.
         trust_request_chat_template: accept a ``chat_template`` sent by the client.
+        ui: serve the web console at ``/`` (``--no-ui`` turns it off).
     """
 
     served_model_name: str
@@ -79,6 +88,7 @@ class ServeOptions:
     max_prompt_chars: int = 4 << 20
     chat_template_timeout: float = 10.0
     trust_request_chat_template: bool = False
+    ui: bool = True
 
 
 class ServerState:
@@ -95,6 +105,7 @@ class ServerState:
         self.load_error: str | None = None
         self._ready = False
         self.started = time.time()
+        self.timeline = StartupTimeline()
         self.adapters = AdapterRegistry(
             options.served_model_name,
             options.enable_lora,
@@ -125,6 +136,8 @@ class ServerState:
         stats = getattr(llm, "load_stats", None)
         if stats is not None:
             self.metrics.record_load(stats)
+            if not self.timeline.has_model:  # loaded outside serve: figures, no bars
+                self.timeline.model_loaded(stats)
         self.llm = llm
         self.adapters.bind(llm, loop)
         self.loop = loop
@@ -135,6 +148,14 @@ class ServerState:
         """Start answering API requests."""
         self._ready = True
         self.metrics.ready.set(1)
+        self.timeline.mark_ready()
+
+    @property
+    def status(self) -> str:
+        """``loading``, ``ready`` or ``failed``."""
+        if self.load_error is not None:
+            return "failed"
+        return "ready" if self._ready else "loading"
 
     def fail(self, message: str) -> None:
         """Record that loading failed; the API keeps answering 503 with ``message``."""
@@ -199,6 +220,8 @@ class _GateMiddleware:
 
     def _refusal(self, scope: dict, path: str) -> tuple[int, dict, list] | None:
         state = self.state
+        if state.options.ui and (path == "/" or path.startswith(_CONSOLE_PREFIX)):
+            return None
         key = state.options.api_key
         if key and path not in _OPEN_PATHS:
             given = ""
@@ -213,7 +236,7 @@ class _GateMiddleware:
                     401, "missing or wrong API key; send 'Authorization: Bearer <key>'"
                 )
                 return 401, body, [(b"www-authenticate", b"Bearer")]
-        if not state.ready and path not in ("/metrics", "/docs", "/openapi.json"):
+        if not state.ready and path not in _WHILE_LOADING:
             return 503, error_body(503, state.not_ready_message()), [(b"retry-after", b"1")]
         return None
 
@@ -262,6 +285,10 @@ def create_app(engine: Any) -> Any:
     app.state.ts = state
     install_error_handlers(app)
     app.include_router(router)
+    if state.options.ui:
+        from tensorstream.server.console import router as console_router
+
+        app.include_router(console_router)
     app.add_middleware(_GateMiddleware, state=state)
     return app
 

@@ -122,6 +122,21 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     return {"prompt": llm.tokenizer.decode(body.tokens)}
 
 
+@router.get("/v1/load_stats")
+async def load_stats(request: Request) -> dict[str, Any]:
+    """This process's start-up timeline and adapter loads (answered while loading too)."""
+    state = _state(request)
+    body = state.timeline.as_json(state.status, state.load_error)
+    adapters = state.adapters
+    body["server"] = {
+        "served_model_name": state.options.served_model_name,
+        "lora_enabled": adapters.enabled,
+        "runtime_lora_updating": adapters.runtime_updates,
+        "lora_allowed_roots": list(adapters.allowed_roots.display),
+    }
+    return body
+
+
 # -- adapters ---------------------------------------------------------------------------
 
 
@@ -131,6 +146,7 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> PlainTex
     state = _state(request)
     state.require_ready()
     check_body(body)
+    started = state.timeline.now()
     try:
         await state.adapters.load_runtime(body.lora_name, body.lora_path, body.encryption_keyfile)
     except APIError as exc:
@@ -139,6 +155,9 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> PlainTex
         ).inc()
         raise
     state.metrics.adapter_loads.labels(result="ok").inc()
+    state.timeline.adapter_loaded(
+        body.lora_name, body.lora_path, "runtime", started, state.timeline.now()
+    )
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
@@ -148,6 +167,7 @@ async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> Plai
     state.require_ready()
     state.adapters.check_runtime_updates()
     await state.adapters.unload(body.lora_name)
+    state.timeline.adapter_unloaded(body.lora_name)
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
