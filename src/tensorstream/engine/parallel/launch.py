@@ -163,12 +163,12 @@ def _follower_main(rank: int, job: _Job, errors: Any) -> None:
     os.environ["TENSORSTREAM_TP_OWN_GROUP"] = "1"
     try:
         torch.set_num_threads(job.threads)
+        host, port = job.init_method.removeprefix("tcp://").rsplit(":", 1)
+        timeout = datetime.timedelta(seconds=job.timeout_s)
+        store = dist.TCPStore(host, int(port), job.world_size, False, timeout=timeout)
+        store.set(f"tensorstream-tp-ready-{rank}", "1")
         dist.init_process_group(
-            job.backend,
-            init_method=job.init_method,
-            rank=rank,
-            world_size=job.world_size,
-            timeout=datetime.timedelta(seconds=job.timeout_s),
+            job.backend, store=store, rank=rank, world_size=job.world_size, timeout=timeout
         )
         report, model, cache = _load_rank(job, rank)
         reports = _gather(report, job.world_size)
@@ -182,6 +182,43 @@ def _follower_main(rank: int, job: _Job, errors: Any) -> None:
         finally:
             os._exit(1)
     os._exit(0)
+
+
+def _form_group(job: _Job, children: list[Any], errors: Any) -> None:
+    """Rank 0: host the rendezvous, wait until every child has reached it (naming any
+    that died first, instead of waiting out the timeout), then form the group."""
+    import torch.distributed as dist
+
+    host, port = job.init_method.removeprefix("tcp://").rsplit(":", 1)
+    timeout = datetime.timedelta(seconds=job.timeout_s)
+    store = dist.TCPStore(
+        host, int(port), job.world_size, True, timeout=timeout, wait_for_workers=False
+    )
+    keys = [f"tensorstream-tp-ready-{rank}" for rank in range(1, job.world_size)]
+    deadline = time.monotonic() + job.timeout_s
+    while not store.check(keys):
+        for rank, child in enumerate(children, start=1):
+            if not child.is_alive():
+                cause = f"exit code {child.exitcode}"
+                if not errors.empty():
+                    cause = "{1}".format(*errors.get())
+                for other in children:
+                    other.kill()
+                raise ParallelError(
+                    f"tensor-parallel rank {rank} stopped before joining the group ({cause}); "
+                    "every rank was stopped"
+                )
+        if time.monotonic() > deadline:
+            for other in children:
+                other.kill()
+            raise ParallelError(
+                f"tensor-parallel ranks did not join within {job.timeout_s:.0f} s "
+                f"(${TIMEOUT_ENV}); every rank was stopped"
+            )
+        time.sleep(0.05)
+    dist.init_process_group(
+        job.backend, store=store, rank=0, world_size=job.world_size, timeout=timeout
+    )
 
 
 def _free_port() -> int:
@@ -296,23 +333,14 @@ def start_parallel(
             child.start()
             children.append(child)
         os.environ["TENSORSTREAM_TP_OWN_GROUP"] = "1"
-        try:
-            dist.init_process_group(
-                job.backend,
-                init_method=job.init_method,
-                rank=0,
-                world_size=world_size,
-                timeout=datetime.timedelta(seconds=job.timeout_s),
-            )
-        except Exception as exc:
-            for child in children:
-                child.kill()
-            raise ParallelError(
-                f"the {world_size} tensor-parallel ranks could not form a group: {exc}"
-            ) from exc
+        _form_group(job, children, errors)
+    driver = Driver(world_size, children, errors, _rank_device(job, 0) if cuda else None)
     report, model, cache = _load_rank(job, 0)
     try:
-        reports = _gather(report, world_size)
+        try:
+            reports = _gather(report, world_size)
+        except Exception as exc:  # a rank died while loading
+            raise driver.fail(exc) from exc
         _raise_first(reports)
     except BaseException:
         for child in children:
@@ -322,7 +350,7 @@ def start_parallel(
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
-    driver = Driver(world_size, children, errors, _rank_device(job, 0) if cuda else None)
+    driver.start()
     llm._parallel = driver
     llm.parallel_reports = reports
     total = sum(r.bytes_read for r in reports)

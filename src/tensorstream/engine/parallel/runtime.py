@@ -105,6 +105,9 @@ class Driver:
         self._last = time.monotonic()
         self._closed = threading.Event()
         self._watch = threading.Thread(target=self._heartbeat, name="tensorstream-tp", daemon=True)
+
+    def start(self) -> None:
+        """Start the idle pings and liveness checks (once every rank has loaded)."""
         self._watch.start()
 
     def run(self, cmd: tuple[Any, ...], local: Callable[[], Any]) -> Any:
@@ -127,6 +130,10 @@ class Driver:
             raise ParallelError(str(self.failure))
         if self._closed.is_set():
             raise ParallelError("the tensor-parallel ranks were shut down; create a new LLM")
+
+    def fail(self, cause: BaseException | None) -> ParallelError:
+        """The error to raise for ``cause`` (naming the rank that failed); stops every rank."""
+        return self._fail(cause)
 
     def _fail(self, cause: BaseException | None) -> ParallelError:
         """Name the failed rank and why, stop every child, and remember the error."""
