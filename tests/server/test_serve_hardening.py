@@ -307,10 +307,9 @@ UNSUPPORTED = [
     ("/v1/chat/completions", "functions", [{"name": "f"}]),
     ("/v1/chat/completions", "function_call", "auto"),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "logit_bias", {"1": 5}),
-    ("/v1/completions", "logit_bias", {"1": 5}),
     ("/v1/completions", "guided_json", {"type": "object"}),
-    ("/v1/completions", "min_p", 0.1),
+    ("/v1/completions", "prompt_logprobs", 1),
+    ("/v1/chat/completions", "bad_words", ["x"]),
     ("/v1/completions", "use_beam_search", True),
 ]
 ACCEPTED = [
@@ -334,6 +333,42 @@ def test_unimplemented_openai_fields_are_refused(local_server):
     for path, fields in ACCEPTED:
         status, body = local_server.request("POST", path, {**base[path], "max_tokens": 1, **fields})
         assert status == 200, (fields, body)
+
+
+def test_vllm_sampling_fields_are_honoured_over_http(local_server):
+    """logit_bias, min_p, min_tokens and allowed_token_ids reach SamplingParams."""
+    favoured = 314
+    status, body = local_server.request(
+        "POST",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 3, "temperature": 0, "logit_bias": {str(favoured): 100}},
+    )
+    assert status == 200, body
+    status, expected = local_server.request("POST", "/detokenize", {"tokens": [favoured] * 3})
+    assert status == 200, expected
+    assert body["choices"][0]["text"] == expected["prompt"]
+
+    status, body = local_server.request(
+        "POST",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 2, "temperature": 0, "allowed_token_ids": [favoured]},
+    )
+    assert (
+        status == 200
+        and body["choices"][0]["text"] == expected["prompt"][: len(body["choices"][0]["text"])]
+    ), body
+    assert body["usage"]["completion_tokens"] == 2, body
+
+    status, body = local_server.request(
+        "POST",
+        "/v1/completions",
+        {"prompt": "hi", "max_tokens": 4, "min_tokens": 4, "min_p": 0.1, "temperature": 0},
+    )
+    assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+    status, body = local_server.request(
+        "POST", "/v1/completions", {"prompt": "hi", "logit_bias": {"not-a-token": 1}}
+    )
+    assert status == 400 and body["error"]["param"] == "logit_bias", body
 
 
 # -- sockets: slow headers, disconnects --------------------------------------------------

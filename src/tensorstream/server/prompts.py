@@ -182,9 +182,26 @@ def sampling(
             frequency_penalty=body.frequency_penalty,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logprobs=logprobs,
+            min_p=body.min_p,
+            min_tokens=body.min_tokens,
+            logit_bias=_token_bias(body.logit_bias),
+            allowed_token_ids=body.allowed_token_ids,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
     except ConfigError as exc:
         raise APIError(400, str(exc)) from exc
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` keys are token ids written as JSON strings."""
+    if bias is None:
+        return None
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError as exc:
+        raise APIError(
+            400, f"logit_bias keys must be token ids, got {sorted(bias)[:3]!r}", param="logit_bias"
+        ) from exc
 
 
 def holdback(stop: str | list[str] | None) -> int:

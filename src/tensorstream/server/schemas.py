@@ -3,8 +3,8 @@
 The models are strict about types (a string where a number belongs is a 400,
 not a silent conversion). Fields they do not know are ignored, as OpenAI's own
 API does, so newer clients keep working, except the OpenAI and vLLM fields
-this server knows it does not implement (tools, response formats, logit
-bias, guided decoding...): :func:`check_body` answers 400 naming the field
+this server knows it does not implement (tools, response formats, guided
+decoding...): :func:`check_body` answers 400 naming the field
 unless its value means "not used", so a request never gets a 200 that
 silently ignored what it asked for. Text must be valid Unicode (JSON can
 carry lone UTF-16 surrogates, which no tokenizer accepts). Value checks that
@@ -43,7 +43,6 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, True, False),  # meaningless without tools
     "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -57,16 +56,12 @@ _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_grammar": (None,),
     "guided_decoding_backend": (None,),
     "structured_outputs": (None,),
-    "min_p": (None, 0, 0.0),
-    "min_tokens": (None, 0),
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "prompt_logprobs": (None,),
     "logits_processors": (None, []),
-    "allowed_token_ids": (None,),
     "bad_words": (None, []),
     "truncate_prompt_tokens": (None,),
-    "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "continue_final_message": (None, False),
@@ -153,6 +148,13 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool = False
+    # vLLM's sampling extensions, honoured by SamplingParams.
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    min_tokens: int = Field(default=0, ge=0)
+    # OpenAI sends token ids as JSON object keys, so strings.
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
