@@ -12,7 +12,9 @@ by doubling, so memory follows the actual load instead of
 
 Why a slab and not pages: on CPU a paged layout must gather each step's keys
 into a contiguous tensor for SDPA, which copies the whole live cache every
-step; the slab view copies nothing (``bench/cold_start.py --kv-layout`` measures both).
+step; the slab view copies nothing. ``python -m bench.cold_start --kv-layout`` measures
+both: 360 ms (slab view) vs 1036 ms (gathered) of attention per decode step at 16 rows
+x 512 tokens x 30 layers (SmolLM2's shape, bf16, on the shared 2-core CPU machine).
 """
 
 from __future__ import annotations
