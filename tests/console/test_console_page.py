@@ -314,7 +314,11 @@ def _maybe_screenshot(driver) -> None:
     target = os.environ.get("TENSORSTREAM_CONSOLE_SCREENSHOT")
     if not target:
         return
+    driver.execute_script("document.activeElement.blur(); window.scrollTo(0, 0);")
     height = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.set_window_size(1366, max(900, int(height)))
-    driver.save_screenshot(target)
-    driver.set_window_size(1366, 900)
+    metrics = {"width": 1366, "height": int(height), "deviceScaleFactor": 1, "mobile": False}
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
+    try:
+        driver.save_screenshot(target)
+    finally:
+        driver.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})

@@ -19,15 +19,20 @@ export function phaseDetail(phase) {
   return parts.join("; ");
 }
 
+function tickLabel(t, step) {
+  if (step < 0.1) return `${Number((t * 1000).toFixed(1))} ms`;
+  return `${Number(t.toFixed(3))} s`;
+}
+
 function axis(scale) {
-  const step = tickStep(scale);
+  const step = tickStep(scale / 1.04, 4); // ticks over the data, not the end padding
   const g = svg("svg", { class: "axis", width: "100%", height: 16, "aria-hidden": "true" });
   for (let t = 0; t <= scale + 1e-9; t += step) {
     const x = `${(t / scale) * 100}%`;
-    const anchor = t === 0 ? "start" : t + step > scale + 1e-9 ? "end" : "middle";
+    const anchor = t === 0 ? "start" : t + step > scale + 1e-9 && t / scale > 0.95 ? "end" : "middle";
     g.append(svg("line", { x1: x, x2: x, y1: 11, y2: 16, class: "tick" }));
     const label = svg("text", { x, y: 9, "text-anchor": anchor });
-    label.textContent = `${Number(t.toFixed(3))} s`;
+    label.textContent = tickLabel(t, step);
     g.append(label);
   }
   return g;
@@ -74,7 +79,8 @@ export function renderTimeline(container, stats) {
   const phases = stats.phases || [];
   const now = stats.now || 0;
   const ends = phases.map((p) => (p.end === null ? now : p.end));
-  const scale = Math.max(stats.ready_at || 0, ...ends, stats.status === "loading" ? now : 0, 0.01);
+  // 4 % room on the right, so the ready marker is not cut at the edge.
+  const scale = 1.04 * Math.max(stats.ready_at || 0, ...ends, stats.status === "loading" ? now : 0, 0.01);
   const rows = phases.map((p) => {
     const end = p.end === null ? now : p.end;
     const took = p.end === null ? "running" : seconds(p.seconds);
@@ -130,7 +136,7 @@ export function renderAdapterLoads(container, stats) {
     container.replaceChildren(el("p", { class: "hint" }, "No adapter loaded yet."));
     return;
   }
-  const scale = Math.max(...loads.map((a) => a.seconds), 0.01);
+  const scale = 1.04 * Math.max(...loads.map((a) => a.seconds), 0.001);
   const rows = loads.map((a) =>
     el(
       "tr",
