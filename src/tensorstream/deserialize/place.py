@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -49,6 +50,13 @@ class FileMap:
         )
         if fd is not fileno:
             os.close(fd)
+        self._viewed = 0
+        self._viewed_lock = threading.Lock()
+
+    @property
+    def viewed_bytes(self) -> int:
+        """Bytes handed out as views of the mapping (not read: the page cache is shared)."""
+        return self._viewed
 
     @staticmethod
     def can_view(record: TensorRecord) -> bool:
@@ -66,6 +74,8 @@ class FileMap:
         raw = torch.frombuffer(
             self._map, dtype=torch.uint8, count=record.data_length, offset=record.data_offset
         )
+        with self._viewed_lock:
+            self._viewed += record.data_length
         return raw.view(record.dtype).reshape(record.shape)
 
     def bytes_at(self, offset: int, length: int) -> memoryview:

@@ -476,6 +476,15 @@ class TensorDeserializer(Mapping[Any, Any]):
         return sum(r.data_length for r in self._records)
 
     @property
+    def mapped_bytes(self) -> int:
+        """Bytes handed out as views of a local file mapping rather than read.
+
+        A mapped load reads nothing up front: the page cache is read when the tensors
+        are first touched, so a throughput figure for it would describe no work.
+        """
+        return 0 if self._file_map is None else self._file_map.viewed_bytes
+
+    @property
     def device(self) -> torch.device:
         return self._device
 
