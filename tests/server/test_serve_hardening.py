@@ -457,6 +457,7 @@ def test_metrics_use_vllm_names(local_server, client):
         ("vllm:request_success", "counter"),
         ("tensorstream_model_load_bytes", "gauge"),
         ("tensorstream_model_load_gb_per_second", "gauge"),
+        ("tensorstream_model_load_mapped_bytes", "gauge"),
         ("tensorstream_http_requests", "counter"),
     ]:
         assert families[name].type == kind, name
@@ -470,4 +471,5 @@ def test_metrics_use_vllm_names(local_server, client):
     assert m["tensorstream_model_load_bytes"] > 100e6
     # A mapped local load reads (almost) nothing: no throughput is claimed (issue #16).
     assert m["tensorstream_model_load_gb_per_second"] < 0.01
+    assert m["tensorstream_model_load_mapped_bytes"] > 0.9 * m["tensorstream_model_load_bytes"]
     assert m['tensorstream_http_requests_total{path="/v1/completions",status="200"}'] >= 1

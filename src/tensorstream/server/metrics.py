@@ -140,8 +140,15 @@ class ServerMetrics:
         self.load_bytes = Gauge(
             p + "model_load_bytes", "Bytes of model weights loaded.", registry=r
         )
+        self.load_mapped_bytes = Gauge(
+            p + "model_load_mapped_bytes",
+            "Bytes of model weights mapped from the page cache (read when first touched).",
+            registry=r,
+        )
         self.load_gb_per_s = Gauge(
-            p + "model_load_gb_per_second", "Load throughput, bytes / seconds / 1e9.", registry=r
+            p + "model_load_gb_per_second",
+            "Read throughput: bytes read (not mapped) / read seconds / 1e9.",
+            registry=r,
         )
         self.adapter_loads = Counter(
             p + "adapter_loads",
@@ -165,9 +172,10 @@ class ServerMetrics:
         self._http.labels(path=path, status=str(status)).inc()
 
     def record_load(self, stats: Any) -> None:
-        """Publish a model load's ``LoadStats`` (bytes, seconds, read seconds, GB/s)."""
+        """Publish a model load's ``LoadStats`` (bytes, mapped bytes, seconds, read seconds, GB/s)."""
         self.load_seconds.set(float(getattr(stats, "seconds", 0.0)))
         self.load_bytes.set(float(getattr(stats, "bytes", 0)))
+        self.load_mapped_bytes.set(float(getattr(stats, "mapped_bytes", 0)))
         self.load_read_seconds.set(float(getattr(stats, "read_seconds", 0.0)))
         self.load_gb_per_s.set(float(getattr(stats, "gb_per_s", 0.0)))
 
