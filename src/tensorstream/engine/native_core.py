@@ -235,7 +235,13 @@ class NativeEngineCore(EngineCore):
         ids = torch.tensor(tokens, device=self.device)[:, None]
         pos = torch.tensor(positions, device=self.device)[:, None]
         adapters = self._adapters(owners)
-        batch = AttentionBatch(self.cache, plan, None, adapters)
+        slots = None
+        if decoding:
+            slots = (
+                torch.tensor([r.row for r in decoding], device=self.device),
+                torch.tensor([r.cached for r in decoding], device=self.device),
+            )
+        batch = AttentionBatch(self.cache, plan, None, adapters, slots)
         hidden = self.model.hidden_states(ids, pos, batch)[:, 0]
         picked = list(range(len(decoding))) + [index for _, index in finishing]
         if not picked:

@@ -45,12 +45,15 @@ class AttentionBatch:
         plan: the items above, or None for a plain causal pass over ``[batch, tokens]``.
         mask: boolean [batch, 1, tokens, tokens] for a plain pass (sliding windows).
         adapters: per-row LoRA state (``engine/models/lora.py``), or None.
+        decode_slots: (cache rows, positions) of the decode tokens (the first rows), so
+            their keys/values are written with one indexed copy per layer, not one per item.
     """
 
     cache: Any = None
     plan: list[tuple[Any, ...]] | None = None
     mask: torch.Tensor | None = None
     adapters: Any = None
+    decode_slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Linear(nn.Linear):
@@ -155,12 +158,14 @@ class Attention(nn.Module):
         ``q``/``k``/``v`` are [token rows, heads, 1, head_dim]; returns [token rows, heads, 1, head_dim].
         """
         keys, values = batch.cache.keys[self.layer], batch.cache.values[self.layer]
+        if batch.decode_slots is not None:
+            rows, positions = batch.decode_slots
+            keys[rows, :, positions] = k[: len(rows), :, 0]
+            values[rows, :, positions] = v[: len(rows), :, 0]
         parts = []
         for item in batch.plan:
             if item[0] == "decode":
                 _, first, stop, row0, row1, key_len, mask = item
-                keys[row0:row1, :, key_len - 1] = k[first:stop, :, 0]
-                values[row0:row1, :, key_len - 1] = v[first:stop, :, 0]
                 # Fold each kv head's query group into the query axis: no repeated keys.
                 n = stop - first
                 packed = q[first:stop].reshape(n, self.kv_heads, self.groups, self.head_dim)
