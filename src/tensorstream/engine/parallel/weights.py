@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tensorstream.deserialize.shard import ShardSpec
+from tensorstream.deserialize.shard import ShardSpec, rank_uri
 from tensorstream.engine.parallel.plan import LLAMA_TP_PLAN
 from tensorstream.errors import ConfigError, SourceNotFoundError
 
@@ -105,4 +105,5 @@ def load_rank_weights(
         shards = getattr(d, "shards", None)
         parts = shards.values() if shards is not None else [d]
         nbytes = sum(p.total_bytes_read for p in parts)
-    return RankWeights(tensors, uri, nbytes, time.perf_counter() - started)
+    shown = rank_uri(uri, rank) or uri  # this rank's own file, when it has one
+    return RankWeights(tensors, shown, nbytes, time.perf_counter() - started)

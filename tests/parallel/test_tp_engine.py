@@ -1,0 +1,142 @@
+"""``LLM(model, tensor_parallel_size=N)``: N gloo ranks, each with its slices or rank file;
+greedy tokens equal the unsharded model's; failures stop every rank with one clear error."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import tensorstream
+from tensorstream import LLM, SamplingParams
+from tensorstream.engine.parallel.plan import LLAMA_TP_PLAN
+from tensorstream.errors import ConfigError, ParallelError, ShardMismatchError
+from tensorstream.serialize.sharded import serialize_sharded
+
+PROMPTS = ["The capital of France is", "def fib(n):", "1, 2, 3,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+
+
+def _close(llm: LLM) -> None:
+    llm._parallel.close()
+    for child in llm._parallel.children:
+        assert not child.is_alive()
+
+
+def _rank_files(model_dir, target, world: int, storage=None) -> str:
+    from safetensors.torch import load_file
+
+    state = load_file(str(model_dir / "model.safetensors"))
+    template = f"{target}/model-rank-%03d.tensors"
+    serialize_sharded(state, template, world_size=world, plan=LLAMA_TP_PLAN, storage=storage)
+    return template
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_ranks_from_one_unsharded_file_match_unsharded(tiny, arch):
+    model = tiny(arch)
+    want = _tokens(LLM(str(model), dtype="float32", cpu_threads=1))
+    llm = LLM(str(model), dtype="float32", cpu_threads=1, tensor_parallel_size=2)
+    try:
+        assert _tokens(llm) == want
+        reports = llm.parallel_reports
+        assert [r.rank for r in reports] == [0, 1]
+        assert all(r.bytes_read > 0 and r.error is None for r in reports)
+    finally:
+        _close(llm)
+
+
+def test_smollm2_three_ranks_match_unsharded(smollm2_dir):
+    want = _tokens(LLM(str(smollm2_dir), dtype="float32", cpu_threads=1))
+    llm = LLM(str(smollm2_dir), dtype="float32", cpu_threads=1, tensor_parallel_size=3)
+    try:
+        assert _tokens(llm) == want
+        whole = os.path.getsize(smollm2_dir / "model.safetensors")
+        assert all(r.bytes_read < whole / 2 for r in llm.parallel_reports)  # nobody reads it all
+    finally:
+        _close(llm)
+
+
+def test_smollm2_two_ranks_refused_clearly(smollm2_dir):
+    with pytest.raises(ConfigError, match=r"does not divide the model's num_attention_heads \(9\)"):
+        LLM(str(smollm2_dir), tensor_parallel_size=2)
+
+
+def test_rank_files_on_seaweedfs_match_unsharded(tiny, s3_server, s3_bucket, s3_env):
+    model = tiny("qwen2")
+    storage = tensorstream.StorageOptions(
+        s3_endpoint=s3_server.endpoint,
+        s3_access_key_id=s3_server.access_key,
+        s3_secret_access_key=s3_server.secret_key,
+    )
+    template = _rank_files(model, f"s3://{s3_bucket}/tp", 2, storage)
+    want = _tokens(LLM(str(model), dtype="float32", cpu_threads=1))
+    llm = LLM(
+        str(model),
+        dtype="float32",
+        cpu_threads=1,
+        load_format="tensorizer",
+        model_loader_extra_config={"tensorizer_uri": template},
+        tensor_parallel_size=2,
+    )
+    try:
+        assert _tokens(llm) == want
+        assert llm.parallel_reports[1].uri.endswith("model-rank-001.tensors")
+    finally:
+        _close(llm)
+
+
+def test_missing_rank_file_names_the_rank(tiny, tmp_path):
+    model = tiny("llama")
+    template = _rank_files(model, tmp_path, 2)
+    os.remove(tmp_path / "model-rank-001.tensors")
+    with pytest.raises(ShardMismatchError, match="rank 1 could not load.*model-rank-001.tensors"):
+        LLM(
+            str(model),
+            load_format="tensorizer",
+            model_loader_extra_config={"tensorizer_uri": template},
+            tensor_parallel_size=2,
+        )
+
+
+def test_world_size_mismatch_refused(tiny, tmp_path):
+    model = tiny("llama")
+    template = _rank_files(model, tmp_path, 1)
+    with pytest.raises(ShardMismatchError, match="written for 1 ranks.*tensor_parallel_size=1"):
+        LLM(
+            str(model),
+            load_format="tensorizer",
+            model_loader_extra_config={"tensorizer_uri": template},
+            tensor_parallel_size=2,
+        )
+
+
+def test_killed_rank_stops_every_rank_with_an_error(tiny):
+    llm = LLM(str(tiny("llama")), dtype="float32", cpu_threads=1, tensor_parallel_size=2)
+    child = llm._parallel.children[0]
+    os.kill(child.pid, signal.SIGKILL)
+    child.join(timeout=30)
+    with pytest.raises(ParallelError, match=r"rank 1 .*killed by signal 9|rank 1"):
+        _tokens(llm)
+    with pytest.raises(ParallelError):  # and it stays refused
+        _tokens(llm)
+    assert not any(c.is_alive() for c in llm._parallel.children)
+
+
+@pytest.mark.gpu
+def test_two_ranks_on_cuda_nccl(tiny):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices for NCCL ranks")
+    model = tiny("llama")
+    want = _tokens(LLM(str(model), dtype="float32", cpu_threads=1, device="cuda"))
+    llm = LLM(str(model), dtype="float32", cpu_threads=1, device="cuda", tensor_parallel_size=2)
+    try:
+        assert _tokens(llm) == want
+    finally:
+        _close(llm)
