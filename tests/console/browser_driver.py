@@ -3,13 +3,15 @@
 Owns the browser flags: no sandbox (containers), no GPU, no QUIC, and no
 background traffic (updates, sync, component downloads), in a fresh profile,
 so a test sees only what the page itself does. ``scripts/system-deps.sh``
-installs the packages.
+installs the packages. Also the few helpers the tests use to wait for and read
+the page, and ``js_fixed`` (JavaScript's ``toFixed``, to compare figures exactly).
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -17,6 +19,8 @@ CHROMEDRIVER = Path("/usr/bin/chromedriver")
 HINT = (
     "headless Chromium is missing; run: sudo scripts/system-deps.sh (apt: chromium chromium-driver)"
 )
+
+WAIT_S = 120  # generous: the machine may be busy; never a speed assertion
 
 FLAGS = (
     "--headless",
@@ -52,3 +56,34 @@ def start_chromium(profile_root: Path):
     # Everything the page logs (console.*, uncaught errors, failed loads) reaches get_log.
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
+
+
+def js_fixed(value: float, digits: int = 2) -> str:
+    """``Number.prototype.toFixed``: the exact double, rounded half up (unlike format())."""
+    return str(Decimal(value).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
+def js_seconds(value: float) -> str:
+    return f"{js_fixed(value)} s"
+
+
+def wait_for(driver, condition, what: str):
+    """Poll ``condition(driver)`` until truthy (its value) or fail with ``what``."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, WAIT_S).until(lambda d: condition(d), message=what)
+
+
+def by_id(driver, element_id: str):
+    from selenium.webdriver.common.by import By
+
+    return driver.find_element(By.ID, element_id)
+
+
+def text_of(element) -> str:
+    return element.get_attribute("textContent")
+
+
+def browser_errors(driver) -> list[dict]:
+    """Log entries the page produced since the last call (warnings and errors)."""
+    return [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]

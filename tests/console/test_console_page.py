@@ -9,45 +9,17 @@ key is entered once, in the first test).
 from __future__ import annotations
 
 import os
-from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import pytest
+from browser_driver import browser_errors, by_id, js_fixed, js_seconds, text_of, wait_for
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
-from selenium.webdriver.support.ui import WebDriverWait
 
 from conftest import API_KEY, READERS, SERVED_NAME
 
-WAIT_S = 120  # generous: the machine may be busy; never a speed assertion
 PROMPT = "Name three colors."
 MAX_TOKENS = 24
-
-
-def js_fixed(value: float, digits: int = 2) -> str:
-    """``Number.prototype.toFixed``: the exact double, rounded half up (unlike format())."""
-    return str(Decimal(value).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
-
-
-def js_seconds(value: float) -> str:
-    return f"{js_fixed(value)} s"
-
-
-def wait_for(driver, condition, what: str):
-    return WebDriverWait(driver, WAIT_S).until(lambda d: condition(d), message=what)
-
-
-def by_id(driver, element_id: str):
-    return driver.find_element(By.ID, element_id)
-
-
-def text_of(element) -> str:
-    return element.get_attribute("textContent")
-
-
-def browser_errors(driver) -> list[dict]:
-    """Log entries the page produced since the last call (warnings and errors)."""
-    return [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
 
 
 def api_json(server, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:

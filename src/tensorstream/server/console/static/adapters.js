@@ -32,6 +32,9 @@ export class AdaptersPanel {
   /** Show the adapters among `/v1/models` entries. */
   show(models) {
     const adapters = models.filter((m) => m.parent);
+    const key = JSON.stringify(adapters.map((a) => [a.id, a.root]));
+    if (key === this.shown) return; // unchanged: keep keyboard focus where it is
+    this.shown = key;
     if (!adapters.length) {
       this.list.replaceChildren(el("tr", {}, el("td", { colspan: 3, class: "hint" }, "No adapter loaded.")));
       return;

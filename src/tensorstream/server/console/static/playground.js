@@ -53,6 +53,9 @@ export class Playground {
 
   /** Offer `names` (base model first) in the model menu, keeping the current choice. */
   setModels(names) {
+    const key = names.join("\n");
+    if (key === this.shownModels) return; // unchanged: keep an open menu open
+    this.shownModels = key;
     const current = this.model.value;
     this.model.replaceChildren(...names.map((n, i) => el("option", { value: n }, i === 0 ? `${n} (base)` : n)));
     if (names.includes(current)) this.model.value = current;
