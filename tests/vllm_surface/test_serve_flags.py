@@ -96,8 +96,8 @@ def test_enforce_eager_is_honoured_not_warned(serve_args, vllm_log):
 @pytest.mark.parametrize(
     ("line", "flag"),
     [
-        (f"{MODEL} --tensor-parallel-size 2", "--tensor-parallel-size 2"),
-        (f"{MODEL} -tp 4", "--tensor-parallel-size 4"),
+        (f"{MODEL} --tensor-parallel-size 0", "--tensor-parallel-size 0"),
+        (f"{MODEL} -tp two", "--tensor-parallel-size two"),
         (f"{MODEL} --pipeline-parallel-size 2", "--pipeline-parallel-size 2"),
         (f"{MODEL} --data-parallel-size 2", "--data-parallel-size 2"),
         (f"{MODEL} --quantization awq", "--quantization awq"),

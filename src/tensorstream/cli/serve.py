@@ -492,6 +492,7 @@ def _build_llm(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
             max_num_batched_tokens=args.max_num_batched_tokens,
             cpu_threads=args.cpu_threads,
             chat_template=args.chat_template,
+            tensor_parallel_size=int(getattr(args, "vllm_option__tensor_parallel_size", 1) or 1),
         )
     except KeyRequiredError as exc:
         # Say how to give the key on this command line, not as LLM keyword arguments.

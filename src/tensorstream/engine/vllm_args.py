@@ -203,8 +203,9 @@ def _falsy(value: Any) -> bool:
 #: Options whose value is checked: (accepted?, what to do otherwise).
 LIMITS: Mapping[str, tuple[Callable[[Any], bool], str]] = {
     "tensor_parallel_size": (
-        _one,
-        "tensor parallelism is not supported yet; use 1 (the whole model on one device)",
+        lambda v: v is None or (str(v).strip().isdigit() and int(v) >= 1),
+        "give a positive number of ranks (tensor parallelism runs the native Llama-family "
+        "code over torch.distributed; docs/parallel.md)",
     ),
     "pipeline_parallel_size": (_one, "pipeline parallelism is not supported; use 1"),
     "data_parallel_size": (

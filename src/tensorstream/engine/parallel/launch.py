@@ -274,7 +274,12 @@ def start_parallel(
     config = NativeConfig.from_dict(
         read_config_json(files), source=str(Path(files) / "config.json")
     )
-    local_config(config, world_size)  # refuse an indivisible split before starting ranks
+    try:  # refuse an indivisible split before starting ranks
+        local_config(config, world_size)
+    except ConfigError as exc:
+        raise ConfigError(
+            f"LLM(tensor_parallel_size={world_size}) cannot be honoured: {exc}"
+        ) from exc
     llm.model_impl = "native"
     llm.config = config
     llm.tokenizer = NativeTokenizer(tok_dir)
