@@ -140,3 +140,38 @@ def test_two_ranks_on_cuda_nccl(tiny):
         assert _tokens(llm) == want
     finally:
         _close(llm)
+
+
+def test_tensorize_cli_writes_rank_files_that_load(tiny, tmp_path, capsys):
+    from tensorstream.cli.tensorize import main as tensorize_main
+
+    model = tiny("llama")
+    argv = ["--model", str(model), "-tp", "2", "serialize"]
+    argv += ["--serialized-directory", str(tmp_path), "--suffix", "v1"]
+    assert tensorize_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "model-rank-000.tensors, model-rank-001.tensors, tensor-parallel.json" in out
+    (directory,) = {p.parent for p in tmp_path.rglob("model-rank-001.tensors")}
+    llm = LLM(
+        str(model),
+        dtype="float32",
+        cpu_threads=1,
+        load_format="tensorizer",
+        model_loader_extra_config={"tensorizer_uri": str(directory / "model-rank-%03d.tensors")},
+        tensor_parallel_size=2,
+    )
+    try:
+        assert _tokens(llm) == _tokens(LLM(str(model), dtype="float32", cpu_threads=1))
+    finally:
+        _close(llm)
+
+
+def test_tensorize_cli_refuses_an_indivisible_split(smollm2_dir, tmp_path, capsys):
+    from tensorstream.cli.tensorize import main as tensorize_main
+
+    argv = ["--model", str(smollm2_dir), "-tp", "2", "serialize"]
+    assert tensorize_main([*argv, "--serialized-directory", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--tensor-parallel-size 2" in err and "num_attention_heads (9)" in err
+    assert "Traceback" not in err
+    assert not list(tmp_path.rglob("*.tensors"))

@@ -107,7 +107,7 @@ def test_cli_errors(tmp_path, capsys, tiny_llama):
                 "--model",
                 str(tiny_llama),
                 "-tp",
-                "2",
+                "0",
                 "serialize",
                 "--serialized-directory",
                 str(tmp_path),
@@ -115,7 +115,7 @@ def test_cli_errors(tmp_path, capsys, tiny_llama):
         )
         == 2
     )
-    assert "not supported yet" in capsys.readouterr().err
+    assert "--tensor-parallel-size must be >= 1" in capsys.readouterr().err
     assert (
         tensorize_main(
             [

@@ -53,7 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="tensorizer options as JSON (tensorizer_uri, num_readers, ...)",
     )
     engine.add_argument(
-        "--tensor-parallel-size", "-tp", type=int, default=1, help="only 1 is supported yet"
+        "--tensor-parallel-size", "-tp", type=int, default=1, help="serialize: write N rank files"
     )
     engine.add_argument("--max-model-len", type=int, help="context length for deserialize")
     engine.add_argument("--device", help="cpu, cuda, cuda:1 (default: CUDA if available)")
@@ -125,10 +125,13 @@ def _extra(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _check_engine(args: argparse.Namespace) -> None:
-    if args.tensor_parallel_size != 1:
+    if args.tensor_parallel_size < 1:
+        raise ConfigError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.tensor_parallel_size != 1 and args.tensorize_command != "serialize":
         raise ConfigError(
-            f"--tensor-parallel-size {args.tensor_parallel_size}: tensor parallelism is not "
-            "supported yet (model-rank-%03d.tensors shards are not written or read); use 1"
+            f"--tensor-parallel-size {args.tensor_parallel_size} applies to serialize (it writes "
+            "model-rank-%03d.tensors); load rank files with LLM(..., tensor_parallel_size=N) "
+            "or tensorstream serve -tp N"
         )
 
 
@@ -164,12 +167,13 @@ def _serialize(args: argparse.Namespace) -> int:
             storage=_storage(args),
             model_loader_extra_config=_extra(args),
             progress=_progress_wanted(),
+            tensor_parallel_size=args.tensor_parallel_size,
         )
     )
     print(f"serialized {args.model} to {result.directory}")
     print(f"  files: {', '.join(result.files)}")
     print(
-        f"  model.tensors: {result.tensor_bytes / 1e6:.1f} MB in {result.seconds:.2f} s "
+        f"  tensors: {result.tensor_bytes / 1e6:.1f} MB in {result.seconds:.2f} s "
         f"({result.gb_per_s:.2f} GB/s)"
     )
     if result.keyfile:

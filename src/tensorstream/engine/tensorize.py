@@ -92,6 +92,8 @@ class SerializeOptions:
         progress: draw progress bars.
         overwrite: replace a ``model.tensors`` already at the output path (otherwise
             re-using a ``--suffix`` is refused).
+        tensor_parallel_size: >1 writes ``model-rank-%03d.tensors`` (each rank's slices,
+            native Llama family) plus ``tensor-parallel.json`` instead of ``model.tensors``.
     """
 
     model: str
@@ -108,6 +110,7 @@ class SerializeOptions:
     model_loader_extra_config: Mapping[str, Any] = field(default_factory=dict)
     progress: bool = False
     overwrite: bool = False
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -387,6 +390,16 @@ def serialize_model(options: SerializeOptions) -> SerializeResult:
         )
         files += ["adapter_config.json", "adapter_model.tensors"]
     started = time.perf_counter()
+    if options.tensor_parallel_size != 1:  # rank files (engine/parallel, docs/parallel.md)
+        from tensorstream.engine.parallel.files import write_rank_files
+
+        names, nbytes = write_rank_files(
+            llm, directory, options.tensor_parallel_size, encryption, options.storage, kwargs
+        )
+        seconds = time.perf_counter() - started
+        return SerializeResult(
+            directory, suffix, (*files, *names), nbytes, seconds, options.keyfile, new_key
+        )
     with TensorSerializer(
         target, encryption=encryption, storage=options.storage, **kwargs
     ) as serializer:

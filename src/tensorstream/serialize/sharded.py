@@ -53,6 +53,7 @@ def serialize_sharded(
     even: bool = True,
     storage: StorageOptions | None = None,
     encryption: Any = None,
+    **serializer_kwargs: Any,
 ) -> list[str]:
     """Write ``world_size`` rank files and their sidecar.
 
@@ -65,6 +66,7 @@ def serialize_sharded(
         even: refuse splits that do not divide evenly (what models need).
         storage: credentials for remote targets.
         encryption: ``EncryptionParams``; each rank file is encrypted on its own.
+        serializer_kwargs: more ``TensorSerializer`` keywords (``align``, ``progress``...).
 
     Returns:
         The rank files' URIs, rank order.
@@ -86,7 +88,9 @@ def serialize_sharded(
     for spec in specs:
         uri = rank_uri(text, spec.rank)
         assert uri is not None
-        with TensorSerializer(uri, storage=storage, encryption=encryption) as out:
+        with TensorSerializer(
+            uri, storage=storage, encryption=encryption, **serializer_kwargs
+        ) as out:
             out.write_state_dict(
                 {n: rank_slice(n, t.detach().cpu(), spec) for n, t in state.items()}
             )
