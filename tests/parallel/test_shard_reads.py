@@ -173,6 +173,8 @@ def test_rank_uri_fields():
     assert rank_uri("s3://b/m-{rank}.tensors", 2) == "s3://b/m-2.tensors"
     assert rank_uri("m-{rank:02d}.tensors", 3) == "m-03.tensors"
     assert rank_uri("model.tensors", 1) is None
+    # regression: an HTTP URL escapes % as %25; "%2503d" was read as a 2503-wide field
+    assert rank_uri("http://h/model-rank-%2503d.tensors", 1) == "http://h/model-rank-001.tensors"
 
 
 def test_uneven_split_refused_when_even_required(files):

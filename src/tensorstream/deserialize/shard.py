@@ -277,6 +277,10 @@ def rank_uri(uri: str, rank: int) -> str | None:
     """``uri`` with its rank field (``{rank}``, ``{rank:03d}``, ``%03d``) filled, or ``None``
     when it has none (then it is one unsharded file)."""
     match = _RANK_FIELD.search(uri)
+    if "://" in uri and "%25" in uri:  # a URL-escaped ``%03d`` (``%2503d``) is that field
+        escaped = re.search(r"%25(0?\d?d)", uri)
+        if escaped is not None:
+            return uri[: escaped.start()] + ("%" + escaped.group(1)) % rank + uri[escaped.end() :]
     if match is None:
         return None
     text = match.group(0)

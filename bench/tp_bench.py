@@ -1,0 +1,204 @@
+"""Tensor-parallel loading: per-rank bytes read, time to loaded and host memory.
+
+``python -m bench.tp_bench [--layers 6] [--sources local,http,s3] [--out DIR]`` writes a
+synthetic Llama (bf16, hidden 2048, GQA 16/4 heads, MLP 5632, vocab 32000; ~0.85 GB at
+6 layers) once as one unsharded ``model.tensors`` and once as 2 rank files, serves the
+directory from local disk, nginx and SeaweedFS (loopback, ``bench/servers.py``), and for
+each case starts one process per rank at the same time. Each rank loads what the
+engine would (``engine/parallel/weights.py``: its rank file whole, or its slices of the
+unsharded file with the Llama TP plan) into fresh memory (``use_mmap=False``, so local
+bytes are really read) and reports bytes read, seconds and RSS. Cases:
+
+* ``tp1``: one process, the whole unsharded file;
+* ``tp2-unsharded``: two ranks slicing the one file (default ``max_gap``);
+* ``tp2-unsharded-gap0``: the same with ``max_gap=0`` (dim-1 slices read exactly, one
+  ranged read per row piece) — the read-through-vs-requests trade-off;
+* ``tp2-rankfiles``: two ranks, each its own file.
+
+The page cache is warm (files were just written or uploaded): numbers are client-side
+CPU and parallelism on loopback, not a network or a disk. Print a JSON list of rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CASES = ("tp1", "tp2-unsharded", "tp2-unsharded-gap0", "tp2-rankfiles")
+
+
+def synthetic_llama(layers: int) -> dict[str, Any]:
+    """A random bf16 Llama state dict (Hugging Face names)."""
+    import torch
+
+    h, i, v, heads, kv = 2048, 5632, 32000, 16, 4
+    d = h // heads
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    state = {"model.embed_tokens.weight": rand(v, h), "lm_head.weight": rand(v, h)}
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        state.update(
+            {
+                p + "self_attn.q_proj.weight": rand(heads * d, h),
+                p + "self_attn.k_proj.weight": rand(kv * d, h),
+                p + "self_attn.v_proj.weight": rand(kv * d, h),
+                p + "self_attn.o_proj.weight": rand(h, heads * d),
+                p + "mlp.gate_proj.weight": rand(i, h),
+                p + "mlp.up_proj.weight": rand(i, h),
+                p + "mlp.down_proj.weight": rand(h, i),
+                p + "input_layernorm.weight": rand(h),
+                p + "post_attention_layernorm.weight": rand(h),
+            }
+        )
+    state["model.norm.weight"] = rand(h)
+    return state
+
+
+def write_model(directory: Path, layers: int) -> int:
+    """Write model.tensors and the 2 rank files; returns the model's bytes."""
+    from tensorstream import TensorSerializer
+    from tensorstream.engine.parallel.plan import LLAMA_TP_PLAN
+    from tensorstream.serialize.sharded import serialize_sharded
+
+    state = synthetic_llama(layers)
+    with TensorSerializer(directory / "model.tensors") as out:
+        out.write_state_dict(state)
+    serialize_sharded(
+        state, directory / "model-rank-%03d.tensors", world_size=2, plan=LLAMA_TP_PLAN
+    )
+    return sum(t.nbytes for t in state.values())
+
+
+def worker(rank: int, world: int, uri: str, options: dict[str, Any], max_gap: int | None) -> None:
+    """One rank's load; prints a JSON line."""
+    from tensorstream import StorageOptions, TensorDeserializer
+    from tensorstream.deserialize.shard import ShardSpec
+    from tensorstream.engine.parallel.plan import LLAMA_TP_PLAN
+
+    storage = None
+    if options:
+        storage = StorageOptions(
+            s3_endpoint=options["endpoint"],
+            s3_access_key_id=options["access_key"],
+            s3_secret_access_key=options["secret_key"],
+            s3_region=options.get("region"),
+        )
+    spec = ShardSpec(rank, world, LLAMA_TP_PLAN, even=True, max_gap=max_gap) if world > 1 else None
+    started = time.perf_counter()
+    with TensorDeserializer(uri, device="cpu", shard=spec, storage=storage, use_mmap=False) as d:
+        nbytes = d.total_bytes_read
+        held = sum(t.nbytes for t in d.values())
+    seconds = time.perf_counter() - started
+    with open("/proc/self/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    print(json.dumps({"rank": rank, "bytes": nbytes, "held": held, "s": seconds, "rss": rss}))
+
+
+def run_case(case: str, uri_of: Any, options: dict[str, Any]) -> dict[str, Any]:
+    world = 1 if case == "tp1" else 2
+    uri = uri_of("model-rank-%03d.tensors" if case == "tp2-rankfiles" else "model.tensors")
+    gap = "0" if case.endswith("gap0") else "none"
+    started = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.tp_bench",
+                "--worker",
+                str(r),
+                str(world),
+                uri,
+                json.dumps(options),
+                gap,
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for r in range(world)
+    ]
+    ranks = []
+    for p in procs:
+        out, _ = p.communicate()
+        if p.returncode:
+            raise SystemExit(f"{case}: a rank failed (exit {p.returncode})")
+        ranks.append(json.loads(out.strip().splitlines()[-1]))
+    return {
+        "case": case,
+        "ranks": ranks,
+        "slowest_rank_s": max(r["s"] for r in ranks),
+        "wall_with_startup_s": time.perf_counter() - started,
+    }
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        rank, world, uri, options, gap = sys.argv[2:7]
+        worker(int(rank), int(world), uri, json.loads(options), None if gap == "none" else 0)
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--sources", default="local,http,s3")
+    ap.add_argument("--out", help="keep the model here (default: a temporary directory)")
+    args = ap.parse_args()
+    directory = Path(args.out or tempfile.mkdtemp(prefix="tp-bench-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    total = write_model(directory, args.layers)
+    print(f"model: {total / 1e9:.2f} GB, {args.layers} layers, in {directory}", file=sys.stderr)
+    rows = []
+    for source in args.sources.split(","):
+        server: Any = None
+        options: dict[str, Any] = {}
+        if source == "local":
+            pass
+        elif source == "http":
+            from bench.servers import NginxBenchSource
+
+            server = NginxBenchSource()
+            server.start(directory)
+        elif source == "s3":
+            import boto3
+
+            from bench.servers import SeaweedBenchSource
+
+            server = SeaweedBenchSource()
+            server.start(directory)
+            options = dict(server.locate(directory, "model.tensors").options)
+            boto3.client(
+                "s3",
+                endpoint_url=options["endpoint"],
+                aws_access_key_id=options["access_key"],
+                aws_secret_access_key=options["secret_key"],
+                region_name=options["region"],
+            ).upload_file(str(directory / "tensor-parallel.json"), "bench", "tensor-parallel.json")
+        else:
+            raise SystemExit(f"unknown source {source!r}")
+
+        def uri_of(name: str, server: Any = server) -> str:
+            return str(directory / name) if server is None else server.locate(directory, name).uri
+
+        try:
+            for case in CASES:
+                row = run_case(case, uri_of, options)
+                row["source"] = source
+                rows.append(row)
+                print(json.dumps(row), file=sys.stderr)
+        finally:
+            if server is not None:
+                server.stop()
+    print(json.dumps({"model_bytes": total, "cpus": os.cpu_count(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
