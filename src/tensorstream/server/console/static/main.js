@@ -12,7 +12,7 @@ const $ = (id) => document.getElementById(id);
 let authNeeded = false;
 let metricsStarted = false;
 let statsRunning = false;
-let loading = true;
+let status = "loading"; // of the model: loading, ready or failed
 
 function showKeyPanel(message) {
   $("key-error").textContent = message || "";
@@ -77,7 +77,7 @@ async function refreshStats() {
   $("timeline-summary").textContent = summary(stats);
   adapters.setPolicy(stats.server);
   $("model-name").textContent = stats.server.served_model_name;
-  loading = stats.status === "loading";
+  status = stats.status;
   if (stats.status === "ready") setStatus("ready", "ok");
   else if (stats.status === "loading") setStatus("loading…", "warn");
   else setStatus("load failed", "error");
@@ -104,13 +104,14 @@ async function safely(task) {
 async function statsLoop() {
   statsRunning = true;
   let authorized = await safely(refreshStats);
-  if (authorized && !loading) authorized = await safely(refreshModels);
+  // The model list exists only once ready (after a failed load the API answers 503).
+  if (authorized && status === "ready") authorized = await safely(refreshModels);
   if (!authorized) {
     statsRunning = false; // resumes when a key is entered
     return;
   }
   // Every second while loading, then slowly (adapter actions refresh it at once).
-  setTimeout(statsLoop, loading ? 1000 : 10000);
+  setTimeout(statsLoop, status === "loading" ? 1000 : 10000);
 }
 
 async function metricsLoop() {
