@@ -19,10 +19,7 @@ from tensorstream.server.app import ServeOptions, ServerState, create_app
 def loading_server() -> Iterator[tuple[str, ServerState]]:
     import uvicorn
 
-    from tensorstream.server.timeline import StartupTimeline
-
     state = ServerState(ServeOptions(served_model_name="smol"))
-    state.timeline = StartupTimeline()
     state.timeline.add("startup", "interpreter, torch import, CLI", 0.0, 1.25)
     state.timeline.add("imports", "server and engine imports", 1.25, 2.0)
     config = uvicorn.Config(create_app(state), host="127.0.0.1", port=0, log_level="warning")
