@@ -330,10 +330,26 @@ class EngineCore:
         self._sample(cohort, logits, touched)
 
     def _sample(self, cohort: _Cohort, logits: torch.Tensor, touched: dict[str, _Request]) -> None:
+        self._sample_sequences(cohort.sequences, logits, touched)
+        keep = [row for row, seq in enumerate(cohort.sequences) if seq.finish_reason is None]
+        if len(keep) == len(cohort.sequences):
+            return
+        if not keep:
+            self._cohorts.remove(cohort)
+            return
+        index = torch.tensor(keep, device=self.device)
+        cohort.cache.batch_select_indices(index)
+        cohort.mask = trim_left_padding(cohort.cache, cohort.mask[index])
+        cohort.sequences = [cohort.sequences[row] for row in keep]
+
+    def _sample_sequences(
+        self, sequences: list[_Sequence], logits: torch.Tensor, touched: dict[str, _Request]
+    ) -> None:
+        """Pick each row's token with the sampler functions and record it (row i = sequences[i])."""
         logits = logits.float()
         # Raw-model log-probs (before penalties/temperature), as vLLM reports them.
         logprobs = torch.log_softmax(logits, dim=-1)
-        for row, seq in enumerate(cohort.sequences):
+        for row, seq in enumerate(sequences):
             if seq.finish_reason is not None:  # aborted since the last step
                 continue
             params = seq.request.params
@@ -352,16 +368,6 @@ class EngineCore:
                 )
             self._append(seq, token)
             touched[seq.request.request_id] = seq.request
-        keep = [row for row, seq in enumerate(cohort.sequences) if seq.finish_reason is None]
-        if len(keep) == len(cohort.sequences):
-            return
-        if not keep:
-            self._cohorts.remove(cohort)
-            return
-        index = torch.tensor(keep, device=self.device)
-        cohort.cache.batch_select_indices(index)
-        cohort.mask = trim_left_padding(cohort.cache, cohort.mask[index])
-        cohort.sequences = [cohort.sequences[row] for row in keep]
 
     def _decode_one(self, token: int) -> str:
         return self.tokenizer.decode([token])

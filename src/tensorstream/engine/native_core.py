@@ -26,7 +26,6 @@ from tensorstream.engine.core import EngineCore, _Request, _Sequence
 from tensorstream.engine.kvcache import KVCache
 from tensorstream.engine.models.llama import AttentionBatch
 from tensorstream.engine.outputs import RequestOutput
-from tensorstream.engine.sampler import apply_penalties, pick_token, top_logprobs
 from tensorstream.errors import ConfigError
 
 __all__ = ["NativeEngineCore"]
@@ -257,7 +256,7 @@ class NativeEngineCore(EngineCore):
             entry.cached = end
         n = len(decoding)
         if n:
-            self._sample_rows([r.seq for r in decoding], logits[:n], touched)
+            self._sample_sequences([r.seq for r in decoding], logits[:n], touched)
         for k, (entry, _) in enumerate(finishing):
             self._start_decoding(entry, logits[n + k : n + k + 1], touched)
 
@@ -280,31 +279,4 @@ class NativeEngineCore(EngineCore):
                 sibling.cached, sibling.decoding = entry.cached, True
         entry.decoding = True
         sequences = request.sequences
-        self._sample_rows(sequences, logits.expand(len(sequences), -1), touched)
-
-    def _sample_rows(
-        self, sequences: list[_Sequence], logits: torch.Tensor, touched: dict[str, _Request]
-    ) -> None:
-        """Pick each row's token with the shared sampler functions and record it."""
-        logits = logits.float()
-        # Raw-model log-probs (before penalties/temperature), as vLLM reports them.
-        logprobs = torch.log_softmax(logits, dim=-1)
-        for row, seq in enumerate(sequences):
-            if seq.finish_reason is not None:  # aborted since the last step
-                continue
-            params = seq.request.params
-            row_logits = logits[row]
-            if params.uses_penalties:
-                output_ids = torch.tensor(seq.token_ids, dtype=torch.long, device=self.device)
-                row_logits = apply_penalties(
-                    row_logits, params, seq.request.prompt_tensor, output_ids
-                )
-            token = pick_token(row_logits, params, seq.request.generator)
-            row_logprobs = logprobs[row]
-            seq.cumulative_logprob += float(row_logprobs[token])
-            if seq.logprobs is not None:
-                seq.logprobs.append(
-                    top_logprobs(row_logprobs, token, params.logprobs, self._decode_one)
-                )
-            self._append(seq, token)
-            touched[seq.request.request_id] = seq.request
+        self._sample_sequences(sequences, logits.expand(len(sequences), -1), touched)
