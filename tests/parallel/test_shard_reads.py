@@ -47,14 +47,20 @@ def files(tmp_path_factory) -> dict[str, Path]:
     with TensorSerializer(base / "m.tensors") as out:
         out.write_state_dict(_tensors())
     save_file(_tensors(), str(base / "m.safetensors"))
-    return {"tensorizer": base / "m.tensors", "safetensors": base / "m.safetensors"}
+    with TensorSerializer(base / "u.tensors", align=1) as out:  # tensorizer's own layout
+        out.write_state_dict({"pad": torch.zeros(1, dtype=torch.uint8), **_tensors()})
+    return {
+        "tensorizer": base / "m.tensors",
+        "safetensors": base / "m.safetensors",
+        "unaligned": base / "u.tensors",
+    }
 
 
-def _check_all(uri, world: int, **kwargs) -> None:
+def _check_all(uri, world: int, max_gap: int | None = None, **kwargs) -> None:
     whole = _tensors()
     for rank in range(world):
         with TensorDeserializer(
-            uri, device="cpu", shard=ShardSpec(rank, world, PLAN), **kwargs
+            uri, device="cpu", shard=ShardSpec(rank, world, PLAN, max_gap=max_gap), **kwargs
         ) as d:
             for name, tensor in whole.items():
                 got, want = d[name], _expected(name, tensor, rank, world)
@@ -62,10 +68,11 @@ def _check_all(uri, world: int, **kwargs) -> None:
                 assert torch.equal(got, want), (name, rank, world)
 
 
-@pytest.mark.parametrize("fmt", ["tensorizer", "safetensors"])
+@pytest.mark.parametrize("fmt", ["tensorizer", "safetensors", "unaligned"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_local_slices_equal_torch_chunk(files, fmt, world):
-    _check_all(files[fmt], world)
+    _check_all(files[fmt], world)  # mapped copy (element-aligned data, or piece by piece)
+    _check_all(files[fmt], world, max_gap=0, num_readers=2)  # ranged reads of row pieces
 
 
 def test_chunk_bounds_follow_torch_chunk():

@@ -135,6 +135,7 @@ class SlicePlan:
     dim: int
     shape: tuple[int, ...]
     pieces: tuple[tuple[int, int], ...]
+    start: int = 0  # first index along ``dim``
 
     @property
     def nbytes(self) -> int:
@@ -165,12 +166,12 @@ def plan_slice(record: TensorRecord, spec: ShardSpec, dim: int) -> SlicePlan:
     inner = math.prod(shape[dim + 1 :]) * item  # bytes of one index along ``dim``
     outer = math.prod(shape[:dim])
     if stop == start or record.data_length == 0:
-        return SlicePlan(record, dim, out_shape, ())
+        return SlicePlan(record, dim, out_shape, (), start)
     stride = size * inner
     length = (stop - start) * inner
     base = record.data_offset + start * inner
     pieces = tuple((base + i * stride, length) for i in range(outer))
-    return SlicePlan(record, dim, out_shape, pieces)
+    return SlicePlan(record, dim, out_shape, pieces, start)
 
 
 @dataclass
@@ -232,6 +233,8 @@ def load_slices(
     Returns:
         (record key -> slice tensor, bytes read from ``source`` including read-through gaps).
     """
+    if max_gap is None and source.local_path:
+        return _copy_mapped(source.local_path, plans)
     if max_gap is None:
         max_gap = LOCAL_MAX_GAP if source.local_path else REMOTE_MAX_GAP
     out = [torch.empty(p.shape, dtype=p.record.dtype) for p in plans]
@@ -271,6 +274,41 @@ def load_slices(
                 stop.set()
                 raise
     return {p.record.key: t for p, t in zip(plans, out, strict=True)}, counted[0]
+
+
+def _copy_mapped(path: str, plans: Sequence[SlicePlan]) -> tuple[dict[Any, torch.Tensor], int]:
+    """Local files: copy each slice out of a read-only map of the file in one strided
+    copy (measured 3-4x faster than one ``pread`` per row piece of a dim-1 slice; see
+    docs/parallel.md). Returns the tensors and the slice bytes copied."""
+    import mmap
+    import warnings
+
+    out: dict[Any, torch.Tensor] = {}
+    copied = 0
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for p in plans:
+            rec = p.record
+            tensor = torch.empty(p.shape, dtype=rec.dtype)
+            if rec.data_length == 0 or tensor.numel() == 0:
+                tensor.zero_()  # a meta tensor loads as zeros, as unsliced
+            elif rec.data_offset % rec.dtype.itemsize:  # unaligned: read the pieces
+                view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+                dest = 0
+                for off, n in p.pieces:
+                    view[dest : dest + n] = mm[off : off + n]
+                    dest += n
+            else:
+                with warnings.catch_warnings():  # read-only buffer, only read from
+                    warnings.simplefilter("ignore")
+                    raw = torch.frombuffer(
+                        mm, dtype=torch.uint8, count=rec.data_length, offset=rec.data_offset
+                    )
+                whole = raw.view(rec.dtype).view(rec.shape)
+                tensor.copy_(whole.narrow(p.dim, p.start, p.shape[p.dim]))
+                del raw, whole  # release the buffer export before the map closes
+            copied += p.nbytes
+            out[rec.key] = tensor
+    return out, copied
 
 
 def rank_uri(uri: str, rank: int) -> str | None:
