@@ -34,6 +34,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tensorstream.utils.process import process_age
+
 __all__ = ["configure", "normalize_flags", "run"]
 
 logger = logging.getLogger("tensorstream.serve")
@@ -236,20 +238,6 @@ def normalize_flags(argv: Sequence[str]) -> list[str]:
             arg = name.replace("_", "-") + eq + value
         out.append(arg)
     return out
-
-
-def process_age() -> float | None:
-    """Seconds since this process started (from ``/proc``), None where unknown."""
-    try:
-        with open("/proc/self/stat") as f:
-            # The command name may hold spaces; fields after ")" are fixed: starttime is 22nd.
-            fields = f.read().rsplit(")", 1)[1].split()
-        start_ticks = int(fields[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def _checked(args: argparse.Namespace) -> dict[str, Any]:

@@ -14,11 +14,12 @@ that was not observed is absent, never estimated.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+from tensorstream.utils.process import process_age
 
 __all__ = ["AdapterLoad", "Phase", "StartupTimeline"]
 
@@ -92,7 +93,7 @@ class StartupTimeline:
 
     def __init__(self, clock: Any = time.perf_counter) -> None:
         self._clock = clock
-        age = _process_age()
+        age = process_age()
         now = clock()
         # The zero of every figure: process start where /proc says, else now.
         self._zero = now - age if age is not None else now
@@ -233,17 +234,3 @@ class _Running:
 
     def __exit__(self, *exc: object) -> None:
         self.timeline.add(self.name, self.label, self.start, self.timeline.now())
-
-
-def _process_age() -> float | None:
-    """Seconds since this process started, from ``/proc``; None where unknown."""
-    try:
-        with open("/proc/self/stat") as f:
-            # The command name may hold spaces; fields after ")" are fixed: starttime is 22nd.
-            fields = f.read().rsplit(")", 1)[1].split()
-        start_ticks = int(fields[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return None
