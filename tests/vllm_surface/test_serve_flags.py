@@ -168,3 +168,27 @@ def test_every_vllm_032_option_is_accepted(serve_args):
             pytest.fail(f"{flag} is refused by the parser")
         checked += 1
     assert checked > 250
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [("", "auto"), ("--model-impl vllm", "native"), ("--model-impl transformers", "transformers")],
+)
+def test_model_impl_is_honoured(given, expected, serve_args):
+    args, _ = serve_args(f"{MODEL} {given}")
+    assert args.model_impl == expected
+
+
+def test_unknown_model_impl_names_the_flag(serve_args, capsys):
+    with pytest.raises(SystemExit):
+        serve_args(f"{MODEL} --model-impl terratorch")
+    assert "--model-impl" in capsys.readouterr().err
+
+
+def test_chunked_prefill_is_not_called_ignored(serve_args, vllm_log):
+    serve_args(f"{MODEL} --enable-chunked-prefill")
+    assert not any("--enable-chunked-prefill" in w for w in warnings_of(vllm_log))
+    assert any(
+        "--enable-chunked-prefill" in r.getMessage() and "honoured" in r.getMessage()
+        for r in vllm_log.records
+    )

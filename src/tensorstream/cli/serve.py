@@ -105,6 +105,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="prompt tokens prefilled per step (native engine; default 512)",
     )
+    parser.add_argument(
+        "--model-impl",
+        default="auto",
+        type=_model_impl,
+        help="auto (native model code for Llama-family architectures, else transformers), "
+        "native (vLLM's 'vllm' is accepted as its name) or transformers",
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed for unseeded sampling")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: auto)")
     parser.add_argument(
@@ -238,6 +245,17 @@ def normalize_flags(argv: Sequence[str]) -> list[str]:
             arg = name.replace("_", "-") + eq + value
         out.append(arg)
     return out
+
+
+def _model_impl(value: str) -> str:
+    """``--model-impl``: vLLM's ``vllm`` (its own model code) is our ``native``."""
+    choice = value.strip().lower()
+    choice = "native" if choice == "vllm" else choice
+    if choice not in ("auto", "native", "transformers"):
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a model implementation; use auto, native (or vllm) or transformers"
+        )
+    return choice
 
 
 def _checked(args: argparse.Namespace) -> dict[str, Any]:
@@ -478,6 +496,7 @@ def _build_llm(args: argparse.Namespace, extra: dict[str, Any]) -> Any:
             trust_remote_code=args.trust_remote_code,
             revision=args.revision,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            model_impl=args.model_impl,
             cpu_threads=args.cpu_threads,
             chat_template=args.chat_template,
             tensor_parallel_size=int(getattr(args, "vllm_option__tensor_parallel_size", 1) or 1),

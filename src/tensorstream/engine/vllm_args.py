@@ -249,7 +249,8 @@ REASONS: Mapping[str, str] = {
     "cpu_offload_gb": "weights are not offloaded to CPU memory",
     "block_size": "the KV cache is not paged",
     "enable_prefix_caching": "there is no prefix cache; every request prefills its prompt",
-    "enable_chunked_prefill": "prompts are prefilled whole, not in chunks",
+    "enable_chunked_prefill": "the native engine always prefills prompts in chunks of "
+    "--max-num-batched-tokens (the transformers fallback prefills them whole)",
     "disable_log_requests": "requests are logged by the HTTP access log",
     "enable_log_requests": "requests are logged by the HTTP access log",
     "disable_log_stats": "load statistics are logged once, at start",
@@ -273,7 +274,9 @@ REASONS: Mapping[str, str] = {
     "device": "choose it with tensorstream's --device / LLM(device=...)",
 }
 # Options where tensorstream already behaves as asked when the value is true.
-_ALREADY_WHEN_TRUE = frozenset({"enforce_eager", "disable_custom_all_reduce"})
+_ALREADY_WHEN_TRUE = frozenset(
+    {"enforce_eager", "disable_custom_all_reduce", "enable_chunked_prefill"}
+)
 
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
