@@ -76,7 +76,7 @@ def test_tensorizer_options_parse():
         }
     )
     assert nested.num_readers == 4
-    with pytest.raises(ConfigError, match="tensor-parallel shards.*not supported yet"):
+    with pytest.raises(ConfigError, match="tensor-parallel shards.*tensor_parallel_size=N"):
         nested.uri_for("/unused")
     flat = TensorizerLoadOptions.from_extra({"tensorizer_dir": "s3://b/m", "verify_hash": 1})
     assert flat.uri_for("/unused") == "s3://b/m/model.tensors" and flat.verify_hash is True

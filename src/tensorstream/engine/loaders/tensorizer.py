@@ -95,8 +95,9 @@ class TensorizerLoadOptions:
             if _RANK_TEMPLATE.search(self.tensorizer_uri):
                 raise ConfigError(
                     f"tensorizer_uri {self.tensorizer_uri!r} names tensor-parallel shards "
-                    "(one file per rank); sharded loading is not supported yet. Serialize "
-                    "with tensor_parallel_size=1 and give that model.tensors"
+                    "(one file per rank), which one process does not load: pass "
+                    "tensor_parallel_size=N (serve -tp N) to run the ranks, or give an "
+                    "unsharded model.tensors"
                 )
             return self.tensorizer_uri
         return join_uri(self.tensorizer_dir or weights_dir, "model.tensors")
