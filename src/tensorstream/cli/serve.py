@@ -31,9 +31,9 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
+from tensorstream.cli.flags import normalize_flags
 from tensorstream.utils.process import process_age
 
 __all__ = ["configure", "normalize_flags", "run"]
@@ -234,17 +234,6 @@ def _token_count(text: str) -> int | None:
         raise argparse.ArgumentTypeError(
             f"not a token count: {text!r} (e.g. 4096, 4k = 4000, 4K = 4096)"
         ) from None
-
-
-def normalize_flags(argv: Sequence[str]) -> list[str]:
-    """Accept ``--max_model_len`` for ``--max-model-len``, as vLLM's parser does."""
-    out = []
-    for arg in argv:
-        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
-            name, eq, value = arg.partition("=")
-            arg = name.replace("_", "-") + eq + value
-        out.append(arg)
-    return out
 
 
 def _model_impl(value: str) -> str:

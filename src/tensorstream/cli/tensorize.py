@@ -21,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from tensorstream.cli.flags import normalize_flags
 from tensorstream.errors import ConfigError
 
 __all__ = ["configure", "main", "normalize_flags", "run"]
@@ -252,17 +253,6 @@ def run(args: argparse.Namespace) -> int:
     if args.tensorize_command == "serialize":
         return _serialize(args)
     return _deserialize(args)
-
-
-def normalize_flags(argv: Sequence[str]) -> list[str]:
-    """Accept ``--serialized_directory`` for ``--serialized-directory`` (vLLM's parser does)."""
-    out = []
-    for arg in argv:
-        if arg.startswith("--") and "_" in arg.split("=", 1)[0]:
-            name, eq, value = arg.partition("=")
-            arg = name.replace("_", "-") + eq + value
-        out.append(arg)
-    return out
 
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
