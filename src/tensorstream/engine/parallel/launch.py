@@ -11,6 +11,7 @@ A rank that fails to load makes every rank stop with that rank's error.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
@@ -29,6 +30,8 @@ __all__ = ["RankReport", "start_parallel"]
 log = logging.getLogger("tensorstream.engine.parallel")
 
 TIMEOUT_ENV = "TENSORSTREAM_TP_TIMEOUT"
+#: The ranks this process started (one tensor-parallel LLM at a time).
+_ACTIVE: Any = None
 
 
 @dataclass
@@ -299,7 +302,7 @@ def start_parallel(
         max_model_len=llm.max_model_len,
         threads=max(1, llm.cpu_threads),
         world_size=world_size,
-        timeout_s=float(os.environ.get(TIMEOUT_ENV, "120")),
+        timeout_s=float(os.environ.get(TIMEOUT_ENV, "30")),
         backend="nccl" if cuda else "gloo",
     )
     started = time.perf_counter()
@@ -324,6 +327,18 @@ def start_parallel(
             raise SystemExit(0)
     else:
         import torch.multiprocessing as mp
+
+        global _ACTIVE
+        if _ACTIVE is not None:  # one tensor-parallel LLM per process: stop the previous one
+            if not _ACTIVE.failure:
+                log.warning("stopping the previous tensor-parallel LLM's ranks to start new ones")
+            _ACTIVE.close()
+            _ACTIVE = None
+        if dist.is_initialized():
+            raise ConfigError(
+                "a torch.distributed process group already exists in this process; start "
+                "the ranks with torchrun (RANK/WORLD_SIZE set) or let LLM form the group"
+            )
 
         job.init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
@@ -356,6 +371,9 @@ def start_parallel(
             dist.destroy_process_group()
         raise
     driver.start()
+    if not torchrun:
+        _ACTIVE = driver
+        atexit.register(driver.close)
     llm._parallel = driver
     llm.parallel_reports = reports
     total = sum(r.bytes_read for r in reports)

@@ -10,7 +10,7 @@ rank's hidden states equal, so only rank 0 computes logits and samples.
 Failure handling (no rank may hang on a collective):
 
 * every collective has the process group's timeout (``TENSORSTREAM_TP_TIMEOUT``,
-  default 120 s); a killed peer closes its sockets, which fails gloo at once;
+  default 30 s); a killed peer closes its sockets, which fails gloo at once;
 * while idle, rank 0 pings the followers every few seconds (so an idle server's
   followers never time out) and checks that its child processes are alive;
 * a follower that fails puts ``(rank, error)`` on a queue and exits; rank 0 turns the
@@ -188,8 +188,9 @@ class Driver:
                 return
             dead = self._dead_child()
             if dead is not None:
-                with self._lock:
-                    self._fail(None)
+                # Not under the lock: the main thread may be blocked in a collective with
+                # the dead rank; stopping the others now bounds how long anything waits.
+                self._fail(None)
                 return
             if time.monotonic() - self._last < HEARTBEAT_S or not self._lock.acquire(False):
                 continue
@@ -216,13 +217,18 @@ class Driver:
         for child in self.children:
             child.join(timeout=10)
         self._stop_children()
-        try:
-            import torch.distributed as dist
+        _destroy_own_group()
 
-            if dist.is_initialized() and os.environ.get("TENSORSTREAM_TP_OWN_GROUP") == "1":
-                dist.destroy_process_group()
-        except Exception as exc:  # shutting down; the group may be broken already
-            log.debug("destroy_process_group failed: %s", exc)
+
+def _destroy_own_group() -> None:
+    """Tear down the process group this package formed (never a torchrun user's)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized() and os.environ.get("TENSORSTREAM_TP_OWN_GROUP") == "1":
+            dist.destroy_process_group()
+    except Exception as exc:  # shutting down; the group may be broken already
+        log.debug("destroy_process_group failed: %s", exc)
 
 
 class ParallelCache:
