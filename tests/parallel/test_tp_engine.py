@@ -122,7 +122,9 @@ def test_killed_rank_stops_every_rank_with_an_error(tiny):
     child = llm._parallel.children[0]
     os.kill(child.pid, signal.SIGKILL)
     child.join(timeout=30)
-    with pytest.raises(ParallelError, match=r"rank 1 \(pid \d+\) was killed by signal 9; every rank"):
+    with pytest.raises(
+        ParallelError, match=r"rank 1 \(pid \d+\) was killed by signal 9; every rank"
+    ):
         _tokens(llm)
     with pytest.raises(ParallelError):  # and it stays refused
         _tokens(llm)
