@@ -93,6 +93,10 @@ class TensorDeserializer(Mapping[Any, Any]):
             ``False``: ignore any manifest. When used, it is verified (MAC, then the
             whole index) before any tensor is read, and each tensor header as it is read.
         require_manifest: refuse to load without a manifest (``ManifestError``).
+        shard: a ``ShardSpec`` (``deserialize/shard.py``): load only this rank's slices
+            (ranged reads of one unsharded file; sliced tensors are not hash-checked), or
+            with a rank field in ``source`` (``%03d``, ``{rank}``) this rank's own file,
+            checked against its sidecar. See docs/parallel.md.
 
     Raises:
         FormatError, TruncatedFileError: not a valid file, or cut short; a tensor header
