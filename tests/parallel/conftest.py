@@ -4,11 +4,15 @@ with the built-in SmolLM2's tokenizer, cached per (architecture, overrides)."""
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+# serve tests start real servers with the server suite's launcher
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 SHAPE = dict(
