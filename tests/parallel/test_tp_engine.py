@@ -177,3 +177,39 @@ def test_tensorize_cli_refuses_an_indivisible_split(smollm2_dir, tmp_path, capsy
     assert "--tensor-parallel-size 2" in err and "num_attention_heads (9)" in err
     assert "Traceback" not in err
     assert not list(tmp_path.rglob("*.tensors"))
+
+
+def test_under_torchrun_rank_0_drives_and_all_exit_cleanly(smollm2_dir, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import os\n"
+        "from tensorstream import LLM, SamplingParams\n"
+        f"llm = LLM({str(smollm2_dir)!r}, dtype='float32', tensor_parallel_size=3, "
+        "cpu_threads=1)\n"
+        "out = llm.generate(['The capital of France is'], SamplingParams(temperature=0, "
+        "max_tokens=6), use_tqdm=False)\n"
+        "print('TEXT', os.environ['RANK'], repr(out[0].outputs[0].text))\n"
+    )
+    want = (
+        LLM(str(smollm2_dir), dtype="float32", cpu_threads=1)
+        .generate(
+            ["The capital of France is"],
+            SamplingParams(temperature=0, max_tokens=6),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+        .text
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3"]
+    done = subprocess.run(
+        [*torchrun, "--standalone", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"TEXT 0 {want!r}" in done.stdout  # only rank 0 returns from LLM(...)
+    assert "TEXT 1" not in done.stdout and "TEXT 2" not in done.stdout

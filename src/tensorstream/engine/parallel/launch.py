@@ -371,9 +371,9 @@ def start_parallel(
             dist.destroy_process_group()
         raise
     driver.start()
+    atexit.register(driver.close)  # tell the followers to stop when this process ends
     if not torchrun:
         _ACTIVE = driver
-        atexit.register(driver.close)
     llm._parallel = driver
     llm.parallel_reports = reports
     total = sum(r.bytes_read for r in reports)
