@@ -45,6 +45,11 @@ def test_two_ranks_from_one_unsharded_file_match_unsharded(tiny, arch):
     llm = LLM(str(model), dtype="float32", cpu_threads=1, tensor_parallel_size=2)
     try:
         assert _tokens(llm) == want
+        # n=2 copies the prompt's cache row (a broadcast "move") on every rank
+        pair = llm.generate(
+            PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, n=2, ignore_eos=True)
+        )[0].outputs
+        assert [list(o.token_ids) for o in pair] == [want[0], want[0]]
         reports = llm.parallel_reports
         assert [r.rank for r in reports] == [0, 1]
         assert all(r.bytes_read > 0 and r.error is None for r in reports)
