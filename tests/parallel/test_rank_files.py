@@ -119,3 +119,14 @@ def test_uneven_split_refused_before_writing(tmp_path):
     with pytest.raises(ConfigError, match=r"a\.col\.weight: dim 0 of size 6 .* 4 shards"):
         serialize_sharded(_state(), tmp_path, world_size=4, plan=PLAN)
     assert not list(tmp_path.iterdir())
+
+
+def test_rank_files_over_http(tmp_path, http_server):
+    directory = http_server.root / "tp-rank-files"
+    serialize_sharded(_state(), directory, world_size=2, plan=PLAN)
+    # the server's URL builder escapes % as %25, as any URL must
+    template = http_server.url("tp-rank-files/model-rank-%03d.tensors")
+    assert "%2503d" in template
+    for rank in range(2):
+        with TensorDeserializer(template, device="cpu", shard=ShardSpec(rank, 2, PLAN)) as d:
+            _check_rank(d, rank, 2)
