@@ -12,6 +12,7 @@ local load never import the engine, transformers or libsodium.
 from typing import TYPE_CHECKING, Any
 
 from tensorstream.deserialize.reader import TensorDeserializer
+from tensorstream.deserialize.shard import ShardSpec
 from tensorstream.deserialize.sharded import ShardedDeserializer
 from tensorstream.formats.tensorizer import (
     TENSOR_TYPE_BUFFER,
@@ -74,6 +75,7 @@ __all__ = [
     "LoRARequest",
     "RequestOutput",
     "SamplingParams",
+    "ShardSpec",
     "ShardedDeserializer",
     "StorageOptions",
     "TensorDeserializer",

@@ -266,7 +266,7 @@ REASONS: Mapping[str, str] = {
     "speculative_config": "speculative decoding is not implemented",
     "lora_dtype": "adapters run in the model's dtype",
     "max_cpu_loras": "adapters not in use are evicted, not kept on the CPU",
-    "fully_sharded_loras": "there is no tensor parallelism to shard adapters over",
+    "fully_sharded_loras": "LoRA adapters do not run with tensor_parallel_size > 1 yet",
     "trust_request_chat_template": "honoured by serve (--trust-request-chat-template); LLM() "
     "renders only the templates its caller passes",
     "uvicorn_log_level": "",  # honoured by serve; listed so LLM() explains it
