@@ -94,7 +94,8 @@ class TensorDeserializer(Mapping[Any, Any]):
             whole index) before any tensor is read, and each tensor header as it is read.
         require_manifest: refuse to load without a manifest (``ManifestError``).
         shard: a ``ShardSpec`` (``deserialize/shard.py``): load only this rank's slices
-            (ranged reads of one unsharded file; sliced tensors are not hash-checked), or
+            (ranged reads of one unsharded file; refused with verify_hash, which cannot
+            check a slice against a whole-tensor hash), or
             with a rank field in ``source`` (``%03d``, ``{rank}``) this rank's own file,
             checked against its sidecar. See docs/parallel.md.
 
@@ -291,12 +292,22 @@ class TensorDeserializer(Mapping[Any, Any]):
             dim = shard.action(r.name)
             if dim is not None and shard.world_size > 1:
                 plans[r.key] = plan_slice(r, shard, dim)
+        if plans and self._verify:
+            # verify_hash promises that every returned byte was checked; a stored hash
+            # covers a whole tensor, so a slice of it cannot be checked without reading it all.
+            first = next(iter(plans.values())).record.name
+            raise ConfigError(
+                f"{where}: verify_hash cannot check slices of an unsharded file (a stored hash "
+                f"covers the whole tensor, e.g. {first!r}); for verified tensor-parallel loads "
+                "write rank files (tensorize -tp N, serialize_sharded), or load without "
+                "verify_hash"
+            )
         self._shard = shard
         return plans
 
     def _load_slices(self) -> None:
-        """Fetch this rank's slices (never verified: a slice cannot check a whole-tensor
-        hash; docs/parallel.md) and add them as parameters."""
+        """Fetch this rank's slices and add them as parameters (only without verify_hash:
+        a slice cannot be checked against a whole-tensor hash; docs/parallel.md)."""
         if not self._slices:
             return
         from tensorstream.deserialize.shard import load_slices
