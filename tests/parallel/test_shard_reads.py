@@ -228,3 +228,23 @@ def test_replicated_tensors_verify_under_a_shard_spec(files):
     with TensorDeserializer(files["tensorizer"], device="cpu", shard=spec, verify_hash=True) as d:
         assert torch.equal(d["l.norm.weight"], _tensors()["l.norm.weight"])
         assert d["l.col.weight"].shape == _tensors()["l.col.weight"].shape
+
+
+@pytest.mark.parametrize("where", ["local", "http"])
+def test_sliced_tensor_header_must_agree_with_the_index(files, tmp_path, where, request):
+    """A slice reads no header with its data; the header is still checked (issue #15)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "integrity"))
+    from _edit import edit_index
+
+    edited = edit_index(files["tensorizer"].read_bytes(), "l.col.weight", dtype="<i4")
+    if where == "local":
+        uri = tmp_path / "edited.tensors"
+        uri.write_bytes(edited)
+    else:
+        http_server = request.getfixturevalue("http_server")
+        (http_server.root / "edited.tensors").write_bytes(edited)
+        uri = http_server.url("edited.tensors")
+    with pytest.raises(tensorstream.errors.FormatError, match="'l.col.weight'.*dtype"):
+        TensorDeserializer(uri, device="cpu", shard=ShardSpec(0, 2, PLAN), num_readers=2)

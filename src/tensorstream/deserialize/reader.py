@@ -314,6 +314,7 @@ class TensorDeserializer(Mapping[Any, Any]):
 
         started = time.perf_counter()
         readers = self._num_readers or self._source.preferred_readers
+        self._check_sliced_headers(readers)
         tensors, nbytes = load_slices(
             self._source,
             list(self._slices.values()),
@@ -326,6 +327,32 @@ class TensorDeserializer(Mapping[Any, Any]):
             self._tensors[key] = torch.nn.Parameter(tensor.to(self._device), requires_grad=False)
         self.load_seconds += time.perf_counter() - started
         self.total_bytes_read += nbytes
+
+    def _check_sliced_headers(self, readers: int) -> None:
+        """Compare each sliced tensor's own header with the index, as every load path does.
+
+        A slice never reads its tensor's header with the data, so the header (a few
+        hundred bytes before it) is fetched on its own; safetensors has none.
+        """
+        if self._index.header is None:
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        from tensorstream.deserialize.verify import check_header
+
+        records = [p.record for p in self._slices.values() if p.record.header_size]
+        where = self._source.display_uri
+
+        def check(record: TensorRecord) -> None:
+            header = self._source.read(record.header_offset, record.header_size)
+            check_header(self._index, record, header, where)
+
+        if self._source.local_path or readers <= 1 or len(records) < 2:
+            for record in records:
+                check(record)
+            return
+        with ThreadPoolExecutor(min(readers, len(records))) as pool:
+            list(pool.map(check, records))
 
     # ------------------------------------------------------------ loading
 
