@@ -143,3 +143,19 @@ def test_mutants_raise_only_tensorstream_errors(tmp_path) -> None:
                 TensorDeserializer(path, device="cpu")
             except TensorStreamError:
                 pass
+
+
+def test_verify_hash_is_refused_for_safetensors(tmp_path) -> None:
+    """safetensors stores no hashes: verify_hash=True must not return unchecked bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    from tensorstream import TensorDeserializer
+    from tensorstream.errors import ConfigError
+
+    path = tmp_path / "plain.safetensors"
+    save_file({"w": torch.arange(6.0)}, str(path))
+    with pytest.raises(ConfigError, match="stores no hashes.*without verify_hash"):
+        TensorDeserializer(path, device="cpu", verify_hash=True)
+    with TensorDeserializer(path, device="cpu") as loaded:
+        assert torch.equal(loaded["w"], torch.arange(6.0))

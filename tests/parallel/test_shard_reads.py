@@ -223,6 +223,16 @@ def test_verify_hash_refuses_to_return_unverified_slices(files):
         TensorDeserializer(files["tensorizer"], device="cpu", shard=spec, verify_hash=True)
 
 
+def test_load_into_module_cannot_verify_slices(tmp_path):
+    path = tmp_path / "module.tensors"
+    with TensorSerializer(path) as out:
+        out.write_module(torch.nn.Linear(4, 6))
+    module = torch.nn.Linear(4, 6)
+    with TensorDeserializer(path, device="cpu", shard=ShardSpec(0, 2, {"*weight": 0})) as d:
+        with pytest.raises(ConfigError, match="cannot check these tensors"):
+            d.load_into_module(module, verify_hash=True)
+
+
 def test_replicated_tensors_verify_under_a_shard_spec(files):
     spec = ShardSpec(1, 2, {"*": "replicate"})
     with TensorDeserializer(files["tensorizer"], device="cpu", shard=spec, verify_hash=True) as d:

@@ -161,6 +161,13 @@ class TensorDeserializer(Mapping[Any, Any]):
             self._index = read_index(self._source)
             self._device = _resolve_device(device)
             self._verify = verify_hash
+            if verify_hash and not self._index.has_headers:
+                # verify_hash promises checked bytes; safetensors stores no hashes at all.
+                raise ConfigError(
+                    f"{self._source.display_uri} is a safetensors file, which stores no "
+                    "hashes: verify_hash cannot check it; load it without verify_hash, or "
+                    "serialize it to .tensors (tensorstream serialize) to get per-tensor hashes"
+                )
             self._dtype = dtype
             self._lazy = lazy_load
             self._progress = progress
@@ -605,6 +612,12 @@ class TensorDeserializer(Mapping[Any, Any]):
         wanted = [r for r in chosen if r.key not in skip]
         self._load(wanted)
         if verify_hash or (verify_hash is None and self._verify):
+            if not self._index.has_headers or any(r.key in self._slices for r in wanted):
+                raise ConfigError(
+                    f"{self._source.display_uri}: load_into_module(verify_hash=True) cannot "
+                    "check these tensors (safetensors stores no hashes; a slice cannot be "
+                    "checked against a whole-tensor hash); load without verify_hash"
+                )
             self._verify_late(wanted)
         return place_into_module(module, wanted, self._tensors, aliases)
 
