@@ -96,7 +96,7 @@ def test_extra_config_uri_and_rank_template(tmp_path, tiny_model):
     templated = {
         "tensorizer_config": {"tensorizer_uri": str(elsewhere / "model-rank-%03d.tensors")}
     }
-    with pytest.raises(ConfigError, match="tensor-parallel shards.*not supported yet"):
+    with pytest.raises(ConfigError, match="tensor-parallel shards.*pass tensor_parallel_size=N"):
         LLM(str(files), device="cpu", model_loader_extra_config=templated)
     extra = {
         "tensorizer_config": {"tensorizer_uri": str(elsewhere / "model-rank-000.tensors")},

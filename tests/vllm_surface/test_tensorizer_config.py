@@ -196,7 +196,7 @@ def test_encrypted_model_no_key_names_the_llm_keyword(tensorized_dir, tmp_path):
         model=str(model_dir), load_format="auto", dtype="auto", enable_lora=False, max_loras=1,
         max_lora_rank=16, seed=None, device=None, tokenizer=None, max_model_len=None,
         trust_remote_code=False, revision=None, max_num_batched_tokens=None, cpu_threads=1,
-        chat_template=None,
+        chat_template=None, model_impl="auto",
     )  # fmt: skip
     with pytest.raises(KeyRequiredError) as info:
         _build_llm(args, {})
