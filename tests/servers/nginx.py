@@ -2,12 +2,14 @@
 
 Owns: writing a self-contained nginx config (every path inside a temp prefix),
 running nginx in the foreground as a child process on a free 127.0.0.1 port,
-and stopping it. Three views of the same directory:
+and stopping it. Four views of the same directory:
 
 - ``/<relpath>``: static files with Range, ETag and sendfile (nginx defaults).
 - ``/norange/<relpath>``: the same files with ``max_ranges 0``, so a Range
   header is ignored and the full body comes back with 200.
 - ``/forbidden/<relpath>``: always 403.
+- ``/slow/<relpath>``: the same files, each connection limited to
+  :data:`SLOW_RATE_BYTES` per second (a load that takes seconds on any machine).
 
 Anything missing is 404, as nginx does for static files.
 """
@@ -23,10 +25,12 @@ from pathlib import Path
 
 from . import LOOPBACK, free_ports, log_tail, stop_process_group, wait_for_port
 
-__all__ = ["NGINX_HINT", "HTTPServer", "find_nginx"]
+__all__ = ["NGINX_HINT", "SLOW_RATE_BYTES", "HTTPServer", "find_nginx"]
 
 NGINX_HINT = "nginx is required for the HTTP tests; run `bash scripts/system-deps.sh`"
 _START_TIMEOUT = 20.0
+#: ``/slow/`` sends each connection at most this many bytes per second.
+SLOW_RATE_BYTES = 16 * 1024 * 1024
 
 _CONFIG = """\
 {user}
@@ -56,6 +60,10 @@ http {{
             max_ranges 0;
         }}
         location /forbidden/ {{ return 403; }}
+        location /slow/ {{
+            alias {root}/;
+            limit_rate {slow_rate};
+        }}
     }}
 }}
 """
@@ -117,6 +125,14 @@ class HTTPServer:
         """URL of ``root / relpath`` where Range headers are ignored (always 200)."""
         return f"{self.base_url}/norange/{_quote(relpath)}"
 
+    def slow_url(self, relpath: str | os.PathLike[str]) -> str:
+        """URL of ``root / relpath`` served at :data:`SLOW_RATE_BYTES` per connection.
+
+        For tests that need a load to take a while (a server answering 503 while it
+        loads) however fast the machine is.
+        """
+        return f"{self.base_url}/slow/{_quote(relpath)}"
+
     def forbidden_url(self, relpath: str | os.PathLike[str]) -> str:
         """URL under ``/forbidden/`` that always answers 403."""
         return f"{self.base_url}/forbidden/{_quote(relpath)}"
@@ -160,6 +176,7 @@ class HTTPServer:
                     root=root.resolve(),
                     host=LOOPBACK,
                     port=port,
+                    slow_rate=SLOW_RATE_BYTES,
                 )
             )
             server = cls(root=root, base_url=f"http://{LOOPBACK}:{port}", prefix=run)
