@@ -258,3 +258,44 @@ def test_sliced_tensor_header_must_agree_with_the_index(files, tmp_path, where, 
         uri = http_server.url("edited.tensors")
     with pytest.raises(tensorstream.errors.FormatError, match="'l.col.weight'.*dtype"):
         TensorDeserializer(uri, device="cpu", shard=ShardSpec(0, 2, PLAN), num_readers=2)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_llama_plan_splits_the_vocab_and_reads_less(tmp_path, world):
+    """With the vocab split, embed_tokens/lm_head count as split bytes: every rank reads
+    about 1/N of them, and less than under the replicated-vocab plan."""
+    from tensorstream.deserialize.index import read_index
+    from tensorstream.engine.parallel.plan import LLAMA_LAYER_PLAN, LLAMA_TP_PLAN
+
+    g = torch.Generator().manual_seed(2)
+    state = {
+        "model.embed_tokens.weight": torch.randn(600, 64, generator=g),
+        "lm_head.weight": torch.randn(600, 64, generator=g),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(96, 64, generator=g),
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(64, 96, generator=g),
+        "model.layers.0.input_layernorm.weight": torch.randn(64, generator=g),
+        "model.norm.weight": torch.randn(64, generator=g),
+    }
+    path = tmp_path / "llama.tensors"
+    with TensorSerializer(path) as out:
+        out.write_state_dict(state)
+    probe = CountingSource(open_source(path))
+    read_index(probe)
+    index_bytes = probe.read_bytes
+    read = {}
+    for name, plan in (("vocab", LLAMA_TP_PLAN), ("layers", LLAMA_LAYER_PLAN)):
+        splits = [n for n in state if ShardSpec(0, world, plan).action(n) is not None]
+        split = sum(state[n].nbytes for n in splits)
+        replicated = sum(t.nbytes for n, t in state.items() if n not in splits)
+        for rank in range(world):
+            src = CountingSource(open_source(path))
+            spec = ShardSpec(rank, world, plan, even=True, max_gap=0)
+            with TensorDeserializer(src, device="cpu", shard=spec) as d:
+                for n in ("model.embed_tokens.weight", "lm_head.weight"):
+                    want = state[n].chunk(world, 0)[rank] if name == "vocab" else state[n]
+                    assert torch.equal(d[n], want)
+            tensor_bytes = src.read_bytes - index_bytes
+            assert tensor_bytes <= (split / world + replicated) * 1.1, (name, rank, tensor_bytes)
+            read[name, rank] = tensor_bytes
+    for rank in range(world):  # the two vocab tables alone are 5/6 of the model
+        assert read["vocab", rank] < read["layers", rank] * 0.7

@@ -3,6 +3,7 @@ greedy tokens equal the unsharded model's; failures stop every rank with one cle
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -11,7 +12,7 @@ import torch
 
 import tensorstream
 from tensorstream import LLM, SamplingParams
-from tensorstream.engine.parallel.plan import LLAMA_TP_PLAN
+from tensorstream.engine.parallel.plan import LLAMA_LAYER_PLAN, LLAMA_TP_PLAN
 from tensorstream.errors import ConfigError, ParallelError, ShardMismatchError
 from tensorstream.serialize.sharded import serialize_sharded
 
@@ -29,13 +30,24 @@ def _close(llm: LLM) -> None:
         assert not child.is_alive()
 
 
-def _rank_files(model_dir, target, world: int, storage=None) -> str:
+def _rank_files(model_dir, target, world: int, storage=None, plan=LLAMA_TP_PLAN) -> str:
     from safetensors.torch import load_file
 
     state = load_file(str(model_dir / "model.safetensors"))
     template = f"{target}/model-rank-%03d.tensors"
-    serialize_sharded(state, template, world_size=world, plan=LLAMA_TP_PLAN, storage=storage)
+    serialize_sharded(state, template, world_size=world, plan=plan, storage=storage)
     return template
+
+
+def _from_rank_files(model_dir, template: str, world: int) -> LLM:
+    return LLM(
+        str(model_dir),
+        dtype="float32",
+        cpu_threads=1,
+        load_format="tensorizer",
+        model_loader_extra_config={"tensorizer_uri": template},
+        tensor_parallel_size=world,
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -53,6 +65,7 @@ def test_two_ranks_from_one_unsharded_file_match_unsharded(tiny, arch):
         reports = llm.parallel_reports
         assert [r.rank for r in reports] == [0, 1]
         assert all(r.bytes_read > 0 and r.error is None for r in reports)
+        assert all(r.vocab_split for r in reports)  # 49152 divides by 2
     finally:
         _close(llm)
 
@@ -63,7 +76,9 @@ def test_smollm2_three_ranks_match_unsharded(smollm2_dir):
     try:
         assert _tokens(llm) == want
         whole = os.path.getsize(smollm2_dir / "model.safetensors")
-        assert all(r.bytes_read < whole / 2 for r in llm.parallel_reports)  # nobody reads it all
+        # every big tensor, the tied 49152-row table too, is split: about a third each
+        assert all(r.vocab_split for r in llm.parallel_reports)
+        assert all(r.bytes_read <= whole / 3 * 1.1 for r in llm.parallel_reports)
     finally:
         _close(llm)
 
@@ -95,6 +110,45 @@ def test_rank_files_on_seaweedfs_match_unsharded(tiny, s3_server, s3_bucket, s3_
         assert llm.parallel_reports[1].uri.endswith("model-rank-001.tensors")
     finally:
         _close(llm)
+
+
+def test_rank_files_with_the_old_replicated_vocab_plan_still_load(tiny, tmp_path):
+    """Sets written before the vocab split (the sidecar records the layers-only plan)
+    load with replicated embeddings and give the same tokens; new sets are smaller."""
+    model = tiny("llama")
+    want = _tokens(LLM(str(model), dtype="float32", cpu_threads=1))
+    old = _rank_files(model, tmp_path / "old", 2, plan=LLAMA_LAYER_PLAN)
+    new = _rank_files(model, tmp_path / "new", 2)
+    read = {}
+    for name, template in (("old", old), ("new", new)):
+        llm = _from_rank_files(model, template, 2)
+        try:
+            assert _tokens(llm) == want, name
+            assert all(r.vocab_split == (name == "new") for r in llm.parallel_reports)
+            read[name] = [r.bytes_read for r in llm.parallel_reports]
+        finally:
+            _close(llm)
+    # tiny model: the two 49152x32 tables are most of it; split, each rank reads ~half
+    assert all(n < o * 0.6 for n, o in zip(read["new"], read["old"], strict=True)), read
+
+
+def test_a_vocab_that_does_not_divide_stays_replicated(tiny):
+    model = tiny("llama", vocab_size=49155)  # 3 * 16385: not a multiple of 2
+    want = _tokens(LLM(str(model), dtype="float32", cpu_threads=1))
+    llm = LLM(str(model), dtype="float32", cpu_threads=1, tensor_parallel_size=2)
+    try:
+        assert _tokens(llm) == want
+        assert not any(r.vocab_split for r in llm.parallel_reports)
+    finally:
+        _close(llm)
+
+
+def test_rank_files_with_an_unknown_plan_are_refused(tiny, tmp_path):
+    model = tiny("llama")
+    plan = {**LLAMA_TP_PLAN, "*.mlp.down_proj.weight": "replicate"}
+    template = _rank_files(model, tmp_path, 2, plan=plan)
+    with pytest.raises(ShardMismatchError, match="was split with plan .* expects"):
+        _from_rank_files(model, template, 2)
 
 
 def test_missing_rank_file_names_the_rank(tiny, tmp_path):
@@ -159,6 +213,8 @@ def test_tensorize_cli_writes_rank_files_that_load(tiny, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "model-rank-000.tensors, model-rank-001.tensors, tensor-parallel.json" in out
     (directory,) = {p.parent for p in tmp_path.rglob("model-rank-001.tensors")}
+    sidecar = json.loads((directory / "tensor-parallel.json").read_text())
+    assert ["*embed_tokens.weight", 0] in sidecar["plan"]  # the vocab-split plan
     llm = LLM(
         str(model),
         dtype="float32",

@@ -2,7 +2,7 @@
 
 Owns the step between the tensorize command and ``serialize/sharded.py``: check the
 model runs natively and divides into N ranks, then write each rank's slices (the
-Llama-family plan) as ``model-rank-%03d.tensors`` plus the ``tensor-parallel.json``
+Llama-family plan, vocab-split when the vocab divides by N) as ``model-rank-%03d.tensors`` plus the ``tensor-parallel.json``
 sidecar in the output directory.
 """
 
@@ -32,7 +32,7 @@ def write_rank_files(
         ConfigError: not the native Llama-family code, or a split does not divide.
     """
     from tensorstream.deserialize.rankfiles import SIDECAR
-    from tensorstream.engine.parallel.plan import LLAMA_TP_PLAN, local_config
+    from tensorstream.engine.parallel.plan import llama_tp_plan, local_config
     from tensorstream.engine.tensorize import unique_state
     from tensorstream.serialize.sharded import serialize_sharded
     from tensorstream.sources.uri import join_uri
@@ -54,7 +54,7 @@ def write_rank_files(
         state,
         template,
         world_size=world_size,
-        plan=LLAMA_TP_PLAN,
+        plan=llama_tp_plan(llm.config, world_size),
         storage=storage,
         encryption=encryption,
         **serializer_kwargs,

@@ -43,6 +43,7 @@ class RankReport:
     bytes_read: int = 0
     seconds: float = 0.0
     rss_bytes: int = 0
+    vocab_split: bool = False
     error: tuple[str, str] | None = None
 
     @property
@@ -92,7 +93,8 @@ def _load_rank(job: _Job, rank: int) -> tuple[RankReport, Any, Any]:
     from tensorstream.engine.models.config import NativeConfig, read_config_json
     from tensorstream.engine.models.llama import NativeCausalLM
     from tensorstream.engine.models.select import fill_native
-    from tensorstream.engine.parallel.plan import local_config, make_parallel
+    from tensorstream.engine.parallel.plan import local_config, make_parallel, vocab_splits
+    from tensorstream.engine.parallel.vocab import split_vocab
     from tensorstream.engine.parallel.weights import load_rank_weights
 
     report = RankReport(rank)
@@ -109,9 +111,13 @@ def _load_rank(job: _Job, rank: int) -> tuple[RankReport, Any, Any]:
             world_size=job.world_size,
             dtype=job.dtype,
             device=device,
+            config=config,
         )
         with torch.device("meta"):
             model = NativeCausalLM(local)
+        embed, head = vocab_splits(weights.plan)
+        split_vocab(model, rank, job.world_size, embed=embed, head=head)
+        report.vocab_split = embed or head
         model.model.rotary_emb.reset_parameters(device)
         fill_native(model, weights.tensors, dtype=job.dtype, device=device, source=weights.uri)
         make_parallel(model, rank)
@@ -389,11 +395,13 @@ def start_parallel(
             r.rss_bytes / 1e6,
         )
     log.info(
-        "tensor parallel x%d: %.1f MB read by all ranks in %.2f s (%.2f GB/s summed)",
+        "tensor parallel x%d: %.1f MB read by all ranks in %.2f s (%.2f GB/s summed); "
+        "embed_tokens/lm_head %s",
         world_size,
         total / 1e6,
         slowest,
         total / slowest / 1e9 if slowest else 0.0,
+        "split along the vocab" if reports[0].vocab_split else "replicated",
     )
     wrapped = ParallelModel(model, driver)
     llm.model = wrapped

@@ -3,26 +3,51 @@
 Megatron-style: q/k/v/gate/up are column-parallel (their ``[out, in]`` weights split
 along dim 0: one contiguous byte range per rank), o_proj/down_proj are row-parallel
 (split along dim 1) and their outputs are summed across ranks with one all-reduce
-each. Embeddings, norms and ``lm_head`` are replicated: after each all-reduce every
-rank holds the same hidden states, so rank 0 alone computes logits and samples.
-(Vocab-splitting ``lm_head`` would save ``vocab*hidden/N`` bytes per rank but add a
-gather per step; on the models this runs, the replicated head is the simpler and
-faster choice — docs/parallel.md.)
+each. Norms are replicated.
+
+``embed_tokens`` and ``lm_head`` are vocab-parallel (dim 0) when the vocab divides by
+the world size (``vocab.py``): each rank holds ``vocab/N`` rows, the embedding costs
+one all-reduce per forward pass and the head one gather of the logits slices to rank
+0 per step. This halves (N=2) or thirds (N=3) the largest tensors of small models;
+SmolLM2-135M's tied 49152x576 table is 28 % of its bytes. Measured on SmolLM2 (2-core
+machine, gloo, docs/parallel.md): the gather adds well under a millisecond per
+decode step, against a forward pass of tens of milliseconds. A vocab that does not
+divide keeps both replicated (:data:`LLAMA_LAYER_PLAN`), which is also the plan of
+rank files written before the vocab split; their sidecar records it, and
+``weights.py`` follows the sidecar.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
 
+from tensorstream.deserialize.shard import ShardSpec
 from tensorstream.errors import ConfigError
 
-__all__ = ["LLAMA_TP_PLAN", "local_config", "make_parallel"]
+__all__ = [
+    "EMBED",
+    "HEAD",
+    "LLAMA_LAYER_PLAN",
+    "LLAMA_TP_PLAN",
+    "llama_tp_plan",
+    "local_config",
+    "make_parallel",
+    "vocab_splits",
+]
 
-#: tensor-name pattern -> split dim (0: column-parallel, 1: row-parallel)
-LLAMA_TP_PLAN: dict[str, int | str] = {
+log = logging.getLogger("tensorstream.engine.parallel")
+
+EMBED = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
+
+#: Decoder layers only: tensor-name pattern -> split dim (0: column-, 1: row-parallel).
+#: Embeddings and head stay replicated; the plan of rank files written before the
+#: vocab split, and the plan for a vocab that does not divide.
+LLAMA_LAYER_PLAN: dict[str, int | str] = {
     "*.self_attn.q_proj.*": 0,
     "*.self_attn.k_proj.*": 0,
     "*.self_attn.v_proj.*": 0,
@@ -31,6 +56,42 @@ LLAMA_TP_PLAN: dict[str, int | str] = {
     "*.mlp.up_proj.*": 0,
     "*.mlp.down_proj.weight": 1,
 }
+
+#: The full plan: the layers plus vocab-parallel ``embed_tokens`` and ``lm_head``.
+LLAMA_TP_PLAN: dict[str, int | str] = {
+    **LLAMA_LAYER_PLAN,
+    "*embed_tokens.weight": 0,
+    "*lm_head.weight": 0,
+}
+
+
+def llama_tp_plan(config: Any, world_size: int) -> dict[str, int | str]:
+    """The plan for ``config`` at ``world_size``: vocab-split when the vocab divides."""
+    if world_size > 1 and config.vocab_size % world_size:
+        log.info(
+            "vocab size %d does not divide by tensor_parallel_size=%d: embed_tokens and "
+            "lm_head are replicated on every rank",
+            config.vocab_size,
+            world_size,
+        )
+        return LLAMA_LAYER_PLAN
+    return LLAMA_TP_PLAN
+
+
+def vocab_splits(plan: Any) -> tuple[bool, bool]:
+    """Whether ``plan`` splits (embed_tokens, lm_head) along the vocab (dim 0).
+
+    Raises:
+        ConfigError: the plan splits either along another dim (the engine has no such code).
+    """
+    spec = ShardSpec(0, 1, plan)
+    dims = spec.action(EMBED), spec.action(HEAD)
+    if any(d not in (None, 0) for d in dims):
+        raise ConfigError(
+            f"the tensor-parallel plan splits embed_tokens/lm_head along dims {dims}; the "
+            "engine splits them along the vocab (0) or replicates them"
+        )
+    return dims[0] == 0, dims[1] == 0
 
 
 def local_config(config: Any, world_size: int) -> Any:

@@ -5,7 +5,9 @@ its model and KV cache are wrapped (:class:`ParallelModel`, :class:`ParallelCach
 so every forward pass and every cache change is first broadcast as one small
 command, then run locally. The followers (:func:`follow`) execute the same commands
 on their own slices and caches; the all-reduces inside the forward pass keep every
-rank's hidden states equal, so only rank 0 computes logits and samples.
+rank's hidden states equal. A replicated head is rank 0's alone; a vocab-parallel
+head is one more command (the picked hidden rows), after which every rank computes
+its logits slice and rank 0 gathers them and samples.
 
 Failure handling (no rank may hang on a collective):
 
@@ -58,6 +60,8 @@ def run_command(cmd: tuple[Any, ...], model: Any, cache: Any) -> Any:
     elif kind == "forward":
         ids, positions, batch = cmd[1:]
         return model.hidden_states(ids, positions, dataclasses.replace(batch, cache=cache))
+    elif kind == "logits":  # a vocab-parallel head: every rank computes its slice
+        return model.logits(cmd[1])
     return None
 
 
@@ -282,7 +286,14 @@ class ParallelModel(torch.nn.Module):
         return self._driver.run(cmd, lambda: self.inner.hidden_states(input_ids, positions, batch))
 
     def logits(self, hidden: torch.Tensor, adapters: Any = None) -> torch.Tensor:
-        return self.inner.logits(hidden, adapters)
+        from tensorstream.engine.parallel.vocab import VocabParallelHead
+
+        if not isinstance(self.inner.lm_head, VocabParallelHead):
+            return self.inner.logits(hidden, adapters)  # replicated head: rank 0 alone
+        # The followers hold the same hidden states, but not which rows the engine picked:
+        # the picked rows travel (rows x hidden, small), so the protocol stays index-free.
+        hidden = hidden.contiguous()
+        return self._driver.run(("logits", hidden), lambda: self.inner.logits(hidden, adapters))
 
     def forward(self, input_ids: torch.Tensor, **_: Any) -> Any:
         raise ParallelError("a tensor-parallel model runs through the engine (LLM.generate)")

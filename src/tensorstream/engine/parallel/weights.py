@@ -3,7 +3,13 @@
 Owns the choice of what a rank opens: ``tensorizer_uri`` with a rank field
 (``model-rank-%03d.tensors``, vLLM's convention) loads rank ``r``'s file whole;
 otherwise the ``.tensors`` file or safetensors checkpoint of the model is opened with
-``shard=ShardSpec(rank, world, LLAMA_TP_PLAN)``, so the rank reads only its slices.
+``shard=ShardSpec(rank, world, plan)``, so the rank reads only its slices.
+
+Which plan: for one unsharded file, ``llama_tp_plan`` (vocab-split when the vocab
+divides). For rank files, the plan their sidecar records, when it is one this engine
+runs (the current plan, or the replicated-vocab plan of sets written before the vocab
+split); any other plan is checked against the current one and refused with
+``ShardMismatchError`` naming both.
 """
 
 from __future__ import annotations
@@ -16,10 +22,10 @@ from typing import Any
 import torch
 
 from tensorstream.deserialize.shard import ShardSpec, rank_uri
-from tensorstream.engine.parallel.plan import LLAMA_TP_PLAN
-from tensorstream.errors import ConfigError, SourceNotFoundError
+from tensorstream.engine.parallel.plan import LLAMA_LAYER_PLAN, LLAMA_TP_PLAN, llama_tp_plan
+from tensorstream.errors import ConfigError, ShardMismatchError, SourceNotFoundError
 
-__all__ = ["RankWeights", "load_rank_weights"]
+__all__ = ["RankWeights", "choose_plan", "load_rank_weights"]
 
 
 @dataclass
@@ -30,6 +36,7 @@ class RankWeights:
     uri: str
     bytes_read: int
     seconds: float
+    plan: dict[str, int | str]
 
 
 def _entry(location: Any, load_format: str, extra: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -79,6 +86,35 @@ def _entry(location: Any, load_format: str, extra: dict[str, Any]) -> tuple[str,
     return str(files[0]), kwargs
 
 
+def choose_plan(
+    uri: str, config: Any, world_size: int, storage: Any = None
+) -> dict[str, int | str]:
+    """The plan rank ``r`` loads ``uri`` with (see the module docstring).
+
+    Raises:
+        ShardMismatchError: rank files that split a vocab which does not divide evenly.
+        FormatError: a malformed sidecar.
+    """
+    if rank_uri(uri, 0) is None:
+        return llama_tp_plan(config, world_size)
+    from tensorstream.deserialize.rankfiles import read_sidecar
+    from tensorstream.sources.uri import redact_uri
+
+    recorded = read_sidecar(uri, storage)["plan"]
+    for plan in (LLAMA_TP_PLAN, LLAMA_LAYER_PLAN):
+        if recorded == ShardSpec(0, 1, plan).plan_json():
+            break
+    else:
+        return LLAMA_TP_PLAN  # open_rank_file refuses it, naming both plans
+    if plan is LLAMA_TP_PLAN and config.vocab_size % world_size:
+        raise ShardMismatchError(
+            f"{redact_uri(uri)} splits the vocab ({config.vocab_size}) into {world_size} uneven parts; "
+            "re-write the rank files with `tensorstream tensorize -tp N` (it replicates a "
+            "vocab that does not divide)"
+        )
+    return plan
+
+
 def load_rank_weights(
     location: Any,
     load_format: str,
@@ -88,6 +124,7 @@ def load_rank_weights(
     world_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    config: Any,
 ) -> RankWeights:
     """Load rank ``rank``'s part of the model (its rank file, or its slices).
 
@@ -98,7 +135,8 @@ def load_rank_weights(
     from tensorstream import TensorDeserializer
 
     uri, kwargs = _entry(location, load_format, extra)
-    spec = ShardSpec(rank, world_size, LLAMA_TP_PLAN, even=True)
+    plan = choose_plan(uri, config, world_size, kwargs.get("storage"))
+    spec = ShardSpec(rank, world_size, plan, even=True)
     started = time.perf_counter()
     with TensorDeserializer(uri, device=device, dtype=dtype, shard=spec, **kwargs) as d:
         tensors = dict(d.items())
@@ -106,4 +144,4 @@ def load_rank_weights(
         parts = shards.values() if shards is not None else [d]
         nbytes = sum(p.total_bytes_read for p in parts)
     shown = rank_uri(uri, rank) or uri  # this rank's own file, when it has one
-    return RankWeights(tensors, shown, nbytes, time.perf_counter() - started)
+    return RankWeights(tensors, shown, nbytes, time.perf_counter() - started, plan)
