@@ -12,11 +12,15 @@ their final memory, then check / decrypt / verify each tensor as it completes.
   place when encrypted).
 * Device targets: readers stage through double-buffered pinned memory and copy
   asynchronously on their own streams.
+
+The class is a facade: what is settled before any read (input, device, key, manifest,
+selection) lives in ``preflight``, tensor-parallel slicing in ``rankslices``, the
+nested view of structured names in ``treeview``, the reader count in ``readercount``
+and the checks of what a load path skipped in ``latecheck``.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -25,42 +29,35 @@ from typing import IO, Any
 
 import torch
 
+from tensorstream.deserialize import treeview
 from tensorstream.deserialize.index import (
     TensorIndex,
     TensorRecord,
     check_allocation,
     read_index,
 )
+from tensorstream.deserialize.latecheck import missed_checks, verify_late
 from tensorstream.deserialize.loaders import load_cpu, load_staged
 from tensorstream.deserialize.pipeline import RecordPipeline
 from tensorstream.deserialize.place import FileMap
+from tensorstream.deserialize.preflight import (
+    check_encryption,
+    check_manifest,
+    open_input,
+    resolve_device,
+    select_records,
+)
+from tensorstream.deserialize.rankslices import load_rank_slices, plan_shard
+from tensorstream.deserialize.readercount import reader_count
 from tensorstream.deserialize.structure import freeze, nest, place_into_module, tied_aliases
-from tensorstream.errors import ConfigError, FormatError, KeyRequiredError, NotEncryptedError
+from tensorstream.errors import ConfigError, FormatError
 from tensorstream.sources.base import Source, StorageOptions
-from tensorstream.sources.fileobj import FileObjectSource
-from tensorstream.sources.memory import MemorySource
-from tensorstream.sources.registry import open_source
 from tensorstream.utils.progress import ByteProgress
 
 __all__ = ["TensorDeserializer"]
 
-log = logging.getLogger("tensorstream")
-
 FilterFunc = Callable[[Any], bool]
 _STAGING_BYTES = 32 << 20
-#: Lazily loaded tensors smaller than this are fetched by one reader (one ranged GET).
-_LAZY_SPLIT_BYTES = 64 << 20
-
-
-def _resolve_device(device: str | torch.device | int | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
 
 
 class TensorDeserializer(Mapping[Any, Any]):
@@ -156,10 +153,10 @@ class TensorDeserializer(Mapping[Any, Any]):
             from tensorstream.deserialize.rankfiles import open_rank_file
 
             source, shard = open_rank_file(source, shard, storage)
-        self._source = _open(source, storage)
+        self._source = open_input(source, storage)
         try:
             self._index = read_index(self._source)
-            self._device = _resolve_device(device)
+            self._device = resolve_device(device)
             self._verify = verify_hash
             if verify_hash and not self._index.has_headers:
                 # verify_hash promises checked bytes; safetensors stores no hashes at all.
@@ -173,12 +170,25 @@ class TensorDeserializer(Mapping[Any, Any]):
             self._progress = progress
             self._num_readers = num_readers
             self._use_mmap = use_mmap
-            self._decryptor = self._check_encryption(encryption)
-            self._manifest = self._check_manifest(
-                source, manifest, require_manifest, storage, encryption
+            where = self._source.display_uri
+            self._decryptor = check_encryption(self._index, encryption, where)
+            self._manifest = check_manifest(
+                self._index, where, source, manifest, require_manifest, storage, encryption
             )
-            self._records = self._select(filter_func)
-            self._slices = self._plan_shard(shard, encryption, lazy_load)
+            self._records = select_records(self._index, filter_func, where)
+            self._shard = shard
+            self._slices: dict[Any, Any] = (
+                {}
+                if shard is None
+                else plan_shard(
+                    self._records,
+                    shard,
+                    encryption=encryption,
+                    lazy=lazy_load,
+                    verify=verify_hash,
+                    where=where,
+                )
+            )
             check_allocation(self._index, self._records, self._source.display_uri)
             self._by_key = {r.key: r for r in self._records}
             self._pipeline = RecordPipeline(
@@ -203,187 +213,39 @@ class TensorDeserializer(Mapping[Any, Any]):
             self.close()
             raise
 
-    # ------------------------------------------------------------ setup
-
-    def _check_encryption(self, encryption: Any) -> Any:
-        where = self._source.display_uri
-        if self._index.encrypted and encryption is None:
-            raise KeyRequiredError(
-                f"{where} is encrypted; pass encryption=DecryptionParams.from_key(...) "
-                "(or --keyfile / --passphrase-env on the command line)"
-            )
-        if encryption is not None and not self._index.encrypted:
-            raise NotEncryptedError(
-                f"a decryption key was given, but {where} is not encrypted; drop the key"
-            )
-        if encryption is None:
-            return None
-        from tensorstream.deserialize.decrypt import RecordDecryptor
-
-        return RecordDecryptor(encryption, where)
-
-    def _check_manifest(
-        self, source: Any, manifest: Any, required: bool, storage: Any, encryption: Any
-    ) -> Any:
-        """Load and verify the manifest (MAC, then the index) before any tensor is read."""
-        where = self._source.display_uri
-        if encryption is None and manifest is None and not required:
-            return None
-        from tensorstream.crypto import manifest as mf
-
-        if manifest is False:
-            if required:
-                raise ConfigError("require_manifest=True contradicts manifest=False")
-            return None
-        if encryption is None:
-            if required or manifest is not None:
-                from tensorstream.errors import ManifestError
-
-                raise ManifestError(
-                    f"a manifest is authenticated with the decryption key, but {where} is "
-                    "loaded without one; pass encryption=DecryptionParams..."
-                )
-            return None
-        if isinstance(manifest, (bytes, bytearray, memoryview)):
-            data: bytes | None = bytes(manifest)
-        elif manifest is not None and manifest is not True:
-            data = mf.load_manifest(manifest, storage)
-        elif isinstance(source, (str, os.PathLike)):
-            data = mf.load_manifest(mf.manifest_uri_for(source), storage, missing_ok=not required)
-        elif required or manifest is True:
-            raise ConfigError(
-                f"cannot find the manifest of {where} (not a path or URI); pass manifest="
-            )
-        else:
-            data = None
-        if data is None:
-            log.debug(
-                "%s has no manifest; tensor names, shapes and order are unauthenticated", where
-            )
-            return None
-        verified = mf.Manifest.verify(data, encryption, where=where)
-        verified.check_index(self._index)
-        log.debug("%s: manifest verified (%d tensors)", where, len(verified.tensors))
-        return verified
-
-    def _select(self, filter_func: FilterFunc | None) -> list[TensorRecord]:
-        records = list(self._index.records)
-        if filter_func is None:
-            return records
-        chosen = [r for r in records if filter_func(r.key)]
-        if records and not chosen:
-            raise ConfigError(
-                f"filter_func excluded all {len(records)} tensors of "
-                f"{self._source.display_uri}; nothing to load"
-            )
-        return chosen
-
-    def _plan_shard(self, shard: Any, encryption: Any, lazy: bool) -> dict[Any, Any]:
-        """Record key -> this rank's ``SlicePlan`` for the tensors ``shard`` splits."""
-        if shard is None:
-            return {}
-        from tensorstream.deserialize.shard import ShardSpec, plan_slice
-
-        if not isinstance(shard, ShardSpec):
-            raise ConfigError(f"shard must be a ShardSpec, got {type(shard).__name__}")
-        where = self._source.display_uri
-        if encryption is not None:
-            raise ConfigError(
-                f"{where} is encrypted; a rank cannot slice an encrypted file (its 2 MiB "
-                "chunks are authenticated whole); write rank files (serialize_sharded) instead"
-            )
-        if lazy:
-            raise ConfigError("shard= loads this rank's slices at once; drop lazy_load")
-        plans = {}
-        for r in self._records:
-            dim = shard.action(r.name)
-            if dim is not None and shard.world_size > 1:
-                plans[r.key] = plan_slice(r, shard, dim)
-        if plans and self._verify:
-            # verify_hash promises that every returned byte was checked; a stored hash
-            # covers a whole tensor, so a slice of it cannot be checked without reading it all.
-            first = next(iter(plans.values())).record.name
-            raise ConfigError(
-                f"{where}: verify_hash cannot check slices of an unsharded file (a stored hash "
-                f"covers the whole tensor, e.g. {first!r}); for verified tensor-parallel loads "
-                "write rank files (tensorize -tp N, serialize_sharded), or load without "
-                "verify_hash"
-            )
-        self._shard = shard
-        return plans
+    # ------------------------------------------------------------ shard slices
 
     def _load_slices(self) -> None:
-        """Fetch this rank's slices and add them as parameters (only without verify_hash:
-        a slice cannot be checked against a whole-tensor hash; docs/parallel.md)."""
+        """Fetch this rank's slices and add them as parameters (docs/parallel.md)."""
         if not self._slices:
             return
-        from tensorstream.deserialize.shard import load_slices
-
         started = time.perf_counter()
-        readers = self._num_readers or self._source.preferred_readers
-        self._check_sliced_headers(readers)
-        tensors, nbytes = load_slices(
+        nbytes = load_rank_slices(
             self._source,
-            list(self._slices.values()),
-            readers=readers if self._source.supports_ranges else 1,
-            max_gap=self._shard.max_gap,
+            self._index,
+            self._slices,
+            self._shard,
+            num_readers=self._num_readers,
+            dtype=self._dtype,
+            device=self._device,
+            into=self._tensors,
         )
-        for key, tensor in tensors.items():
-            if self._dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(self._dtype)
-            self._tensors[key] = torch.nn.Parameter(tensor.to(self._device), requires_grad=False)
         self.load_seconds += time.perf_counter() - started
         self.total_bytes_read += nbytes
-
-    def _check_sliced_headers(self, readers: int) -> None:
-        """Compare each sliced tensor's own header with the index, as every load path does.
-
-        A slice never reads its tensor's header with the data, so the header (a few
-        hundred bytes before it) is fetched on its own; safetensors has none.
-        """
-        if self._index.header is None:
-            return
-        from concurrent.futures import ThreadPoolExecutor
-
-        from tensorstream.deserialize.verify import check_header
-
-        records = [p.record for p in self._slices.values() if p.record.header_size]
-        where = self._source.display_uri
-
-        def check(record: TensorRecord) -> None:
-            header = self._source.read(record.header_offset, record.header_size)
-            check_header(self._index, record, header, where)
-
-        if self._source.local_path or readers <= 1 or len(records) < 2:
-            for record in records:
-                check(record)
-            return
-        with ThreadPoolExecutor(min(readers, len(records))) as pool:
-            list(pool.map(check, records))
 
     # ------------------------------------------------------------ loading
 
     def _readers_for(self, nbytes: int) -> int:
-        n = self._num_readers or self._source.preferred_readers
-        if self._lazy and nbytes < _LAZY_SPLIT_BYTES:
-            n = 1  # one ranged GET of header plus data per lazily loaded tensor
-        if self._source.supports_ranges:
-            return max(1, n)
-        if self._num_readers is not None and self._num_readers > 1:
-            from tensorstream.errors import RangeNotSupportedError
-
-            raise RangeNotSupportedError(
-                f"{self._source.display_uri} does not support HTTP Range requests, so "
-                f"num_readers={self._num_readers} cannot work; use num_readers=1 (or None) "
-                "or serve the file from a server with Range support"
-            )
-        if self._num_readers is None and not self._warned_norange:
+        n = reader_count(
+            self._source,
+            self._num_readers,
+            lazy=self._lazy,
+            nbytes=nbytes,
+            warn=not self._warned_norange,
+        )
+        if not self._source.supports_ranges and self._num_readers is None:
             self._warned_norange = True
-            log.warning(
-                "%s does not support HTTP Range requests; loading with one sequential reader",
-                self._source.display_uri,
-            )
-        return 1
+        return n
 
     def _map_file(self) -> FileMap | None:
         """The page-cache mapping for CPU loads of local files.
@@ -437,32 +299,12 @@ class TensorDeserializer(Mapping[Any, Any]):
         self.total_bytes_read += nbytes
 
     def _check_missed(self, records: list[TensorRecord]) -> None:
-        """Hold every load path to the same rule: each header checked against the index,
-        and with ``verify_hash`` each tensor verified; a path that skipped one (the CPU
-        path skips meta tensors, which have no data to read) gets it done here."""
-        if not self._index.has_headers:
-            return
-        pipeline = self._pipeline
-        missed = [
-            r
-            for r in records
-            if r.header_offset not in pipeline.checked
-            or (self._verify and r.key not in pipeline.verified)
-        ]
+        """Check late what the load path skipped (``latecheck``)."""
+        missed = missed_checks(self._index, self._pipeline, records, self._verify)
         if missed:
             self._verify_late(missed, verify=self._verify)
 
     # ------------------------------------------------------------ Mapping
-
-    def _lookup(self, key: Any) -> Any:
-        """The record key for ``key``: as given, or a top-level int/str wrapped in a
-        one-part path (``write_state_dict([t0, t1])`` stores paths ``(0,)``, ``(1,)``
-        and tensorizer answers ``d[0]``; ``d["0"]`` stays a KeyError there too)."""
-        if key in self._by_key:
-            return key
-        if not isinstance(key, tuple) and (key,) in self._by_key:
-            return (key,)
-        return None
 
     def _get(self, key: Any) -> torch.nn.Parameter:
         with self._lock:
@@ -472,7 +314,7 @@ class TensorDeserializer(Mapping[Any, Any]):
             return self._tensors[key]
 
     def __getitem__(self, key: Any) -> Any:
-        found = self._lookup(key)
+        found = treeview.lookup(self._by_key, key)
         if found is not None:
             return self._get(found)
         subtree = self._subtree((key,) if not isinstance(key, tuple) else key)
@@ -481,13 +323,7 @@ class TensorDeserializer(Mapping[Any, Any]):
         return subtree
 
     def _subtree(self, prefix: tuple[Any, ...]) -> Any:
-        found = [
-            r
-            for r in self._records
-            if isinstance(r.key, tuple)
-            and r.key[: len(prefix)] == prefix
-            and len(r.key) > len(prefix)
-        ]
+        found = treeview.records_under(self._records, prefix)
         if not found:
             return None
         if self._lazy:
@@ -498,10 +334,7 @@ class TensorDeserializer(Mapping[Any, Any]):
         """First path components in file order (cached: the selection never changes)."""
         keys = getattr(self, "_top_cache", None)
         if keys is None:
-            keys = {}
-            for r in self._records:
-                keys[r.key[0] if isinstance(r.key, tuple) else r.key] = None
-            self._top_cache = keys
+            keys = self._top_cache = treeview.top_keys(self._records)
         return keys
 
     def __iter__(self) -> Iterator[Any]:
@@ -545,15 +378,7 @@ class TensorDeserializer(Mapping[Any, Any]):
         filter_func: FilterFunc | None = None,
     ) -> Any:
         """The tensors as nested dicts/lists (structured names) under ``prefix``."""
-        items = {}
-        pre: tuple[Any, ...] = (
-            () if prefix is None else (prefix if isinstance(prefix, tuple) else (prefix,))
-        )
-        for r in self._records:
-            path = r.key if isinstance(r.key, tuple) else (r.key,)
-            if path[: len(pre)] != pre or (filter_func is not None and not filter_func(r.key)):
-                continue
-            items[path[len(pre) :]] = r.key
+        items = treeview.tree_items(self._records, treeview.as_path(prefix), filter_func)
         if not items:
             if default is not None:
                 return default
@@ -622,18 +447,10 @@ class TensorDeserializer(Mapping[Any, Any]):
         return place_into_module(module, wanted, self._tensors, aliases)
 
     def _verify_late(self, records: list[TensorRecord], verify: bool = True) -> None:
-        """Check headers and (with ``verify``) hashes of tensors loaded without, by
-        re-reading them; meta and empty tensors re-read only their header."""
-        sliced = getattr(self, "_slices", {})  # a slice cannot be checked against its hash
-        todo = [r for r in records if r.key not in self._verified and r.key not in sliced]
-        if not todo or not self._index.has_headers:
-            return
-        for r in todo:
-            buf = bytearray(r.header_size + r.data_length)
-            self._source.read_into(r.header_offset, memoryview(buf))
-            header = memoryview(buf)[: r.header_size]
-            data = memoryview(buf)[r.header_size :]
-            self._pipeline.process(r, bytes(header), data, verify=verify)
+        sliced = getattr(self, "_slices", {})  # set late in __init__
+        verify_late(
+            self._source, self._index, self._pipeline, records, sliced=sliced, verify=verify
+        )
 
     def close(self) -> None:
         """Release the file or connections. Loaded tensors stay valid."""
@@ -652,15 +469,3 @@ class TensorDeserializer(Mapping[Any, Any]):
             f"TensorDeserializer({self._source.display_uri!r}, tensors={len(self._records)}, "
             f"device={self._device})"
         )
-
-
-def _open(source: Any, storage: StorageOptions | None) -> Source:
-    if isinstance(source, Source):
-        return source
-    if isinstance(source, (str, os.PathLike)):
-        return open_source(source, storage)
-    if isinstance(source, (bytes, bytearray, memoryview)):
-        return MemorySource(source)
-    if hasattr(source, "readinto") and hasattr(source, "seek"):
-        return FileObjectSource(source)
-    raise ConfigError(f"cannot read tensors from a {type(source).__name__}; give a path or URI")
