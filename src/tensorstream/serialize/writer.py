@@ -6,19 +6,19 @@ local file (``pwrite`` from two writer threads) or a streaming S3 multipart uplo
 file header and index are written as placeholders first and patched at ``close()``;
 the target appears only when the sink commits, so a failed or interrupted write
 leaves nothing that looks valid.
+
+``TensorSerializer`` owns the layout (names, offsets, index, file header, manifest);
+hashing and encrypting a record live in ``encode``, writing records in order with
+bounded memory in flight in ``stream``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import struct
-import threading
-from collections import deque
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 import torch
@@ -27,8 +27,6 @@ from tensorstream.errors import ConfigError, MetadataOverflowError, Serializatio
 from tensorstream.formats.tensorizer import (
     FLAG_ENCRYPTED,
     FLAG_VERSIONED_HEADERS,
-    HASH_CRC32,
-    HASH_SHA256,
     INDEX_OFFSET,
     STOCK_METADATA_SIZE,
     VERSION_ENCRYPTED,
@@ -39,14 +37,14 @@ from tensorstream.formats.tensorizer import (
     IndexEntry,
     pack_file_header,
     pack_metadata,
-    pack_tensor_header,
 )
-from tensorstream.serialize.layout import RecordLayout, hash_types_for, place_record
+from tensorstream.serialize.encode import PlannedRecord
+from tensorstream.serialize.layout import hash_types_for, place_record
+from tensorstream.serialize.stream import stream_records
 from tensorstream.serialize.tensors import (
     PendingTensor,
     dtype_code,
     flatten_state_dict,
-    host_bytes,
     module_tensors,
     shape_of,
 )
@@ -55,30 +53,13 @@ from tensorstream.sources.fileobj import FileObjectSink
 from tensorstream.sources.local import LocalSink
 from tensorstream.sources.registry import open_sink
 from tensorstream.sources.uri import parse_uri
-from tensorstream.utils.checksum import crc32
-from tensorstream.utils.progress import ByteProgress
 
 __all__ = ["TensorSerializer"]
 
-#: Copies made for writing (GPU -> host, non-contiguous, encryption) stay under this.
-_INFLIGHT_COPY_BYTES = 256 << 20
-_SPLIT_HASH_BYTES = 1 << 20
 #: ``direct_io=None`` writes this much or more with O_DIRECT (see ``StorageOptions``).
 _DIRECT_IO_MIN_BYTES = 512 << 20
 
 log = logging.getLogger("tensorstream.serialize")
-
-
-@dataclass
-class _Record:
-    pending: PendingTensor
-    dtype: str
-    shape: tuple[int, ...]
-    long_shape: bool
-    is_meta: bool
-    encrypted: bool
-    layout: RecordLayout
-    crypt_info_len: int | None
 
 
 class TensorSerializer:
@@ -273,7 +254,7 @@ class TensorSerializer:
             self.abort()
             raise
 
-    def _plan(self, pending: list[PendingTensor]) -> list[_Record]:
+    def _plan(self, pending: list[PendingTensor]) -> list[PlannedRecord]:
         described = []
         for p in pending:
             if p.raw_name in self._names:
@@ -317,7 +298,7 @@ class TensorSerializer:
             )
             position = layout.end
             records.append(
-                _Record(p, dtype, shape, long_shape, is_meta, encrypted, layout, crypt_len)
+                PlannedRecord(p, dtype, shape, long_shape, is_meta, encrypted, layout, crypt_len)
             )
             self._entries.append(
                 IndexEntry(
@@ -395,186 +376,18 @@ class TensorSerializer:
 
     # ------------------------------------------------------------ data path
 
-    def _stream(self, records: list[_Record]) -> None:
-        """Hash (and encrypt) records on the pool; write them in file order."""
-        # Random-access sinks take records from several threads at their offsets;
-        # the others (S3, O_DIRECT) get them appended in file order.
-        pwrite = getattr(self._sink, "pwrite", None)
-        if not getattr(self._sink, "random_access", True):
-            pwrite = None
-        progress = ByteProgress(
-            sum(r.layout.data_length for r in records), "serialize", enabled=self._progress
+    def _stream(self, records: list[PlannedRecord]) -> None:
+        """Hash (and encrypt) records on the pool; write them in file order (``stream``)."""
+        stream_records(
+            records,
+            sink=self._sink,
+            pool=self._pool,
+            io=self._io,
+            workers=self._workers,
+            encryptor=self._encryptor,
+            headers=self._headers,
+            progress=self._progress,
         )
-        window: deque[tuple[_Record, Future[tuple[bytes, memoryview]], list[Future[Any]]]]
-        window = deque()
-        inflight_copy = 0
-        lock = threading.Lock()
-
-        def finish_oldest() -> None:
-            nonlocal inflight_copy
-            record, encoded, writes = window.popleft()
-            header, payload = encoded.result()
-            if self._headers is not None:
-                self._headers.append(header)
-            if pwrite is not None:
-                writes.append(self._io.submit(pwrite, record.layout.header_offset, header))
-                for w in writes:
-                    w.result()
-            else:
-                if self._sink.position != record.layout.header_offset:
-                    raise SerializationError(
-                        f"internal layout error at tensor {record.pending.display_name!r}"
-                    )
-                self._sink.write(header)
-                self._sink.write(payload)
-            if record.encrypted and self._encryptor is not None:
-                self._encryptor.release(payload)  # written: its staging buffer is free
-            with lock:
-                inflight_copy -= _copy_cost(record)
-            progress.update(record.layout.data_length)
-
-        try:
-            for record in records:
-                # the view keeps its host tensor alive until the record is written
-                data = _host_view(record)
-                encoded = self._submit_encode(record, data)
-                writes: list[Future[Any]] = []
-                if pwrite is not None and record.layout.data_length and not record.encrypted:
-                    writes.append(self._io.submit(pwrite, record.layout.data_offset, data))
-                elif pwrite is not None and record.encrypted:
-                    writes.append(
-                        self._io.submit(
-                            lambda f=encoded, off=record.layout.data_offset: pwrite(
-                                off, f.result()[1]
-                            )
-                        )
-                    )
-                window.append((record, encoded, writes))
-                with lock:
-                    inflight_copy += _copy_cost(record)
-                while window and (
-                    len(window) > 4 * self._workers or inflight_copy > _INFLIGHT_COPY_BYTES
-                ):
-                    finish_oldest()
-            while window:
-                finish_oldest()
-        finally:
-            progress.close()
-
-    def _submit_encode(self, record: _Record, data: memoryview) -> Future[tuple[bytes, memoryview]]:
-        layout = record.layout
-        pending = record.pending
-        hash_types = hash_types_for(record.encrypted and layout.data_length > 0)
-
-        def header_with(hashes: list[tuple[int, bytes]], crypt_info: bytes | None) -> bytearray:
-            return pack_tensor_header(
-                module_idx=pending.module_idx,
-                tensor_type=pending.tensor_type,
-                raw_name=pending.raw_name,
-                dtype=record.dtype,
-                shape=record.shape,
-                hashes=hashes,
-                data_length=layout.data_length,
-                crypt_info=crypt_info,
-                long_shape=record.long_shape,
-                padding=layout.padding,
-            )
-
-        # The hashes cover the header with hash values zeroed and the CryptInfo cut out,
-        # but its size field still counts the CryptInfo.
-        zero_header = header_with(
-            [(t, bytes(4 if t == HASH_CRC32 else 32)) for t in hash_types], None
-        )
-        struct.pack_into("<Q", zero_header, 0, layout.header_size)
-        zero_header = bytes(zero_header)
-        encryptor = self._encryptor
-        if encryptor is not None and record.encrypted and layout.data_length:
-            return self._pool.submit(self._encode_encrypted, record, data, zero_header, header_with)
-        crc_f: Future[int] | None = None
-        sha_f: Future[bytes]
-        if HASH_CRC32 in hash_types and len(data) >= _SPLIT_HASH_BYTES:
-            crc_f = self._pool.submit(_crc32, zero_header, data)
-        sha_f = self._pool.submit(
-            _sha256_and_maybe_crc,
-            zero_header,
-            data,
-            HASH_CRC32 in hash_types and crc_f is None,
-        )
-
-        def assemble() -> tuple[bytes, memoryview]:
-            sha, crc_inline = sha_f.result()
-            hashes = []
-            if HASH_CRC32 in hash_types:
-                crc = crc_f.result() if crc_f is not None else crc_inline
-                hashes.append((HASH_CRC32, struct.pack("<I", crc)))
-            hashes.append((HASH_SHA256, sha))
-            # Meta and zero-element tensors of an encrypted file carry an empty CryptInfo.
-            crypt_info = encryptor.empty_crypt_info() if encryptor is not None else None
-            return _checked_header(record, header_with(hashes, crypt_info)), data
-
-        # Cheap: assembling waits on the hash futures, so run it on the caller.
-        return _Deferred(assemble)
-
-    def _encode_encrypted(
-        self, record: _Record, data: memoryview, zero_header: bytes, header_with: Any
-    ) -> tuple[bytes, memoryview]:
-        """Hash, copy and encrypt one record in a single task on the pool.
-
-        One task, not a hash future plus an encrypt step waiting on it: a pool thread
-        blocked on another task's future idles a core (measured: 1 of 2 cores busy).
-        """
-        assert self._encryptor is not None
-        sha, payload, crypt_info = self._encryptor.hash_and_encrypt(zero_header, data)
-        return _checked_header(record, header_with([(HASH_SHA256, sha)], crypt_info)), payload
-
-
-def _checked_header(record: _Record, header: bytearray) -> bytes:
-    if len(header) != record.layout.header_size:
-        raise SerializationError(
-            f"internal error: header of {record.pending.display_name!r} is {len(header)} "
-            f"bytes, planned {record.layout.header_size}"
-        )
-    return bytes(header)
-
-
-class _Deferred(Future):  # type: ignore[type-arg]
-    """A future computed on first ``result()`` in the calling thread."""
-
-    def __init__(self, fn: Any) -> None:
-        super().__init__()
-        self._fn = fn
-        self._done_once = False
-
-    def result(self, timeout: float | None = None) -> Any:
-        if not self._done_once:
-            self._done_once = True
-            try:
-                self.set_result(self._fn())
-            except BaseException as exc:
-                self.set_exception(exc)
-        return super().result(timeout)
-
-
-def _host_view(record: _Record) -> memoryview:
-    if record.is_meta:
-        return memoryview(b"")
-    return host_bytes(record.pending.tensor)[0]
-
-
-def _copy_cost(record: _Record) -> int:
-    t = record.pending.tensor
-    copied = record.encrypted or t.device.type != "cpu" or not t.is_contiguous()
-    return record.layout.data_length if copied and not record.is_meta else 0
-
-
-def _crc32(header: bytes, data: memoryview) -> int:
-    return crc32(data, crc32(header))
-
-
-def _sha256_and_maybe_crc(header: bytes, data: memoryview, with_crc: bool) -> tuple[bytes, int]:
-    h = hashlib.sha256(header)
-    h.update(data)
-    return h.digest(), (crc32(data, crc32(header)) if with_crc else 0)
 
 
 def _metadata_bytes(
