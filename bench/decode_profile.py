@@ -1,0 +1,128 @@
+"""Where a native decode step spends its time: forward, LM head, sampling, the rest.
+
+Builds the built-in SmolLM2-135M through ``LLM(model_impl="native")`` and drives its
+``NativeEngineCore`` step by step: ``batch`` greedy requests are prefilled, then
+``steps`` decode steps are timed. The model's ``hidden_states`` and ``logits`` are
+wrapped with timers on the instance, so each step splits into forward (decoder
+layers), head (LM head) and everything else (sampling, detokenization, bookkeeping).
+Figures are medians over the steps; run it several times on a shared machine.
+
+    python -m bench.decode_profile --batch 1 16 --steps 40
+    python -m bench.decode_profile --batch 16 --torch-profile   # top ops by self CPU time
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
+
+
+def _timed(obj: Any, name: str, sink: list[float]) -> None:
+    inner = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        out = inner(*args, **kwargs)
+        sink.append(time.perf_counter() - started)
+        return out
+
+    setattr(obj, name, wrapper)
+
+
+def profile_batch(llm: Any, batch: int, steps: int, torch_profile: bool) -> dict[str, float]:
+    """Median ms per decode step (total, forward, head, other) at ``batch`` rows."""
+    import torch
+
+    from tensorstream.engine import SamplingParams
+
+    engine, model = llm.engine, llm.model
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(batch):
+        prompt = PROMPTS[i % 2] + " " * (i // 2)
+        engine.add_request(llm.tokenizer.encode(prompt), params)
+    forward: list[float] = []
+    head: list[float] = []
+    _timed(model, "hidden_states", forward)
+    _timed(model, "logits", head)
+    started = time.perf_counter()
+    while any(not getattr(r, "decoding", False) for r in engine._rows) or not engine._rows:
+        engine.step()  # prefill
+    prefill = time.perf_counter() - started
+    for _ in range(3):  # warm-up decode steps
+        engine.step()
+    forward.clear()
+    head.clear()
+    totals = []
+    profiler = None
+    if torch_profile:
+        profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        profiler.__enter__()
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        totals.append(time.perf_counter() - started)
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    while engine.has_unfinished_requests():
+        engine.step()
+    del model.hidden_states, model.logits  # drop the instance wrappers
+    ms = 1000.0
+    total = statistics.median(totals) * ms
+    fwd = statistics.median(forward) * ms
+    lm = statistics.median(head) * ms
+    return {
+        "batch": batch,
+        "prefill_ms": prefill * ms,
+        "step_ms": total,
+        "forward_ms": fwd,
+        "head_ms": lm,
+        "other_ms": total - fwd - lm,
+        "ms_per_token": total / batch,
+        "tok_s": batch / total * ms,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--cpu-threads", type=int, default=None)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per batch size")
+    parser.add_argument("--torch-profile", action="store_true")
+    args = parser.parse_args()
+
+    import torch
+
+    from tensorstream.engine import LLM
+    from tensorstream.engine.builtin import materialize_builtin
+
+    llm = LLM(
+        str(materialize_builtin()),
+        dtype=args.dtype,
+        model_impl="native",
+        cpu_threads=args.cpu_threads,
+    )
+    llm.generate(PROMPTS[0])  # warm-up
+    print(
+        f"threads={torch.get_num_threads()} interop={torch.get_num_interop_threads()} "
+        f"mkldnn={torch.backends.mkldnn.is_available()} dtype={llm.model.dtype}"
+    )
+    for batch in args.batch:
+        for _ in range(args.repeat):
+            row = profile_batch(llm, batch, args.steps, args.torch_profile)
+            print(
+                "batch {batch:3d}: step {step_ms:7.2f} ms (forward {forward_ms:6.2f}, "
+                "head {head_ms:5.2f}, other {other_ms:5.2f}) = {ms_per_token:6.2f} ms/token, "
+                "{tok_s:6.1f} tok/s; prefill {prefill_ms:6.1f} ms".format(**row),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
