@@ -7,29 +7,25 @@ bounded budget (``retry.RetryBudget``), checking every resumed response against
 the object seen at open (``SourceChangedError``), and turning HTTP statuses into
 the ``tensorstream.errors`` tree. URLs are shown only through ``redact_uri``:
 query strings (presigned signatures) and userinfo never reach logs or errors.
-Response plumbing and the net that maps stray transport errors live in ``transport``.
+Response plumbing and the net that maps stray transport errors live in ``transport``;
+what a response must match and which error a status becomes, in ``responses``; the
+sequential ``HttpRangeReader`` that ``open_range`` returns, in ``range_reader``.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import urllib3
 
-from tensorstream.errors import (
-    AccessDeniedError,
-    RangeNotSupportedError,
-    SourceChangedError,
-    SourceError,
-    SourceNotFoundError,
-    TruncatedFileError,
-)
+from tensorstream.errors import RangeNotSupportedError, SourceError, TruncatedFileError
 from tensorstream.sources.base import RangeReader, Source, StorageOptions
 from tensorstream.sources.connection import clean_error as _clean
 from tensorstream.sources.connection import make_pool
+from tensorstream.sources.range_reader import HttpRangeReader
+from tensorstream.sources.responses import CONTENT_RANGE as _CONTENT_RANGE
+from tensorstream.sources.responses import ObjectInfo, check_same, status_error
 from tensorstream.sources.retry import TRANSIENT_STATUSES, RetryBudget
 from tensorstream.sources.transport import (
     TRANSPORT_ERRORS,
@@ -45,29 +41,16 @@ _log = logging.getLogger("tensorstream.sources")
 
 #: Most bytes asked of the socket per call; bounds what is fetched again after a timeout.
 _CHUNK = 8 << 20
-#: Gaps up to this size are read and dropped; larger skips reopen at the new offset.
-_SKIP_DISCARD = 1 << 20
 #: On a server without Range, reads starting this early are served by a GET from byte 0
 #: that drops the bytes before them (file headers, indexes, the single reader's stream).
 NORANGE_PREFIX = 16 << 20
 #: Readers for a server with Range support; measured on nginx/SeaweedFS loopback (see report).
 RANGED_READERS = 4
-_CONTENT_RANGE = re.compile(r"bytes\s+(\d+)-(\d+)/(\d+|\*)")
 
 #: ``sign(method, headers) -> (url, headers)``: where and how to send one request.
 Signer = Callable[[str, dict[str, str]], tuple[str, dict[str, str]]]
 #: ``hook(status, body, probing) -> error or None``: backend-specific status mapping.
 ErrorHook = Callable[[int, bytes, bool], "SourceError | None"]
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """What the open-time probe learned about the object."""
-
-    size: int
-    supports_ranges: bool
-    etag: str | None
-    last_modified: str | None
 
 
 class RangedHttp:
@@ -375,42 +358,7 @@ class RangedHttp:
         self, resp: urllib3.BaseHTTPResponse, start: int | None, stop: int | None
     ) -> None:
         """Refuse a response from a different version of the object, or a different range."""
-        info = self.info
-        headers = resp.headers
-        problem = None
-        etag = headers.get("ETag")
-        modified = headers.get("Last-Modified")
-        if info.etag and etag and etag != info.etag:
-            problem = f"ETag {info.etag} at open, now {etag}"
-        elif info.last_modified and modified and modified != info.last_modified:
-            problem = f"Last-Modified {info.last_modified} at open, now {modified}"
-        elif start is not None and stop is not None:
-            match = _CONTENT_RANGE.fullmatch(headers.get("Content-Range", "").strip())
-            if not match:
-                finish(resp)
-                raise SourceError(
-                    f"{self.display_uri} answered a Range request with Content-Range "
-                    f"{headers.get('Content-Range')!r}; expected bytes {start}-{stop - 1}"
-                )
-            if match.group(3) != "*" and int(match.group(3)) != info.size:
-                problem = f"size {info.size} at open, now {match.group(3)}"
-            elif (int(match.group(1)), int(match.group(2))) != (start, stop - 1):
-                finish(resp)
-                raise SourceError(
-                    f"{self.display_uri} sent bytes {match.group(1)}-{match.group(2)} when asked "
-                    f"for {start}-{stop - 1}; a caching proxy may be misbehaving"
-                )
-        else:
-            length = headers.get("Content-Length")
-            if length is not None and int(length) != info.size:
-                problem = f"size {info.size} at open, now {length}"
-        if problem:
-            finish(resp)
-            raise SourceChangedError(
-                f"{self.display_uri} changed while it was being read ({problem}); the bytes "
-                "already loaded may come from the old version. Load again once the upload "
-                "finished, and do not overwrite objects that are being served"
-            )
+        check_same(self.info, resp, start, stop, self.display_uri)
 
     def _status_failure(
         self, resp: urllib3.BaseHTTPResponse, budget: RetryBudget, offset: int, *, probing: bool
@@ -434,64 +382,7 @@ class RangedHttp:
         raise self._status_error(status, offset, probing)
 
     def _status_error(self, status: int, offset: int, probing: bool) -> SourceError:
-        uri = self.display_uri
-        if status in (401, 403):
-            return AccessDeniedError(
-                f"{uri}: access denied (HTTP {status}); check the URL, its signature or expiry, "
-                "and any authorization header passed in StorageOptions.headers"
-            )
-        if status in (404, 410) and probing:
-            return SourceNotFoundError(f"{uri} not found (HTTP {status}); check the URL")
-        if status in (404, 410, 412, 416):
-            return SourceChangedError(
-                f"{uri} changed or disappeared while it was being read (HTTP {status} at byte "
-                f"offset {offset}); load again once the object is stable"
-            )
-        return SourceError(f"{uri}: unexpected HTTP {status} at byte offset {offset}")
-
-
-class HttpRangeReader(RangeReader):
-    """Sequential reads over ``[start, end)`` served by one long-lived ranged GET."""
-
-    def __init__(self, http_: RangedHttp, start: int, end: int) -> None:
-        self._http = http_
-        self._end = end
-        self._cursor = Cursor(start, min(end, http_.info.size))
-
-    @property
-    def position(self) -> int:
-        return self._cursor.pos
-
-    @map_transport_errors
-    def readinto_exact(self, buf: memoryview) -> None:
-        pos, want, size = self._cursor.pos, len(buf), self._http.info.size
-        if pos + want > self._end or pos + want > size:
-            limit, what = (self._end, "range") if self._end <= size else (size, "file")
-            raise TruncatedFileError(
-                f"read of {want} bytes at offset {pos} runs past the end of the {what} "
-                f"(byte {limit}) in {self._http.display_uri}; the file is truncated"
-            )
-        if want:
-            self._http._fill(self._cursor, buf)
-
-    @map_transport_errors
-    def skip(self, n: int) -> None:
-        cursor = self._cursor
-        if n <= 0:
-            return
-        if cursor.resp is not None and n <= _SKIP_DISCARD:
-            super().skip(n)
-            return
-        if not self._http.info.supports_ranges:
-            super().skip(n)  # no way to jump: read through
-            return
-        cursor.drop()
-        cursor.pos += n
-
-    def close(self) -> None:
-        cursor = self._cursor
-        finish(cursor.resp)
-        cursor.resp = None
+        return status_error(self.display_uri, status, offset, probing)
 
 
 class RangedSource(Source):
