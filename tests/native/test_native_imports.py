@@ -1,6 +1,7 @@
 """The hot path imports neither transformers nor peft for Llama-family models.
 
-Checked in fresh interpreters: ``LLM(...)`` -> generate/chat (``sys.modules``), and
+Checked in fresh interpreters: ``LLM(...)`` -> generate/chat (``sys.modules``; and
+``from tensorstream import LLM`` imports no torch, so the weight fetch starts first), and
 ``tensorstream serve`` -> ready (``python -X importtime`` lists every module imported).
 """
 
@@ -18,7 +19,10 @@ HEAVY = ("transformers", "peft")
 
 _LLM_SCRIPT = """
 import json, sys
+from tensorstream import LLM, SamplingParams
 from tensorstream.engine import LLM, SamplingParams
+# Nothing imported so far needs torch: LLM() starts the weight fetch before importing it.
+torch_at_import = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy"))
 llm = LLM(sys.argv[1], device="cpu")
 out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=3))
 llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=2))
@@ -27,6 +31,8 @@ print(json.dumps({
     "text": out[0].outputs[0].text,
     "heavy": sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "peft")),
     "dynamo": "torch._dynamo" in sys.modules,
+    "torch_at_import": torch_at_import,
+    "torch_after_load": "torch" in sys.modules,
 }))
 """
 
@@ -49,6 +55,9 @@ def test_llm_hot_path_imports_no_transformers(smollm2_dir, tiny):
     # Regression: default init of the meta embedding (normal_) imported torch._dynamo,
     # seconds of a cold start; the native modules skip init altogether.
     assert result["dynamo"] is False
+    # Regression: importing tensorstream (or its engine) imported torch, so no weight
+    # fetch could start before torch's seconds-long import.
+    assert result["torch_at_import"] == [] and result["torch_after_load"] is True
     # The same script on a model the native code does not cover does import transformers,
     # so the check above can fail.
     import transformers

@@ -5,6 +5,10 @@ the config and tokenizer, loads the weights with the chosen loader, builds the
 transformers model around them without random initialisation, and wraps it in
 an :class:`~tensorstream.engine.core.EngineCore`. ``generate`` and ``chat`` add
 their requests to that core and step it until every request is done.
+
+Importing this module does not import torch: ``LLM(...)`` first starts fetching the
+weights (``engine/prefetch.py``), then imports torch and the model code while the
+bytes arrive.
 """
 
 from __future__ import annotations
@@ -14,12 +18,8 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from tensorstream.engine.build import build_model, import_model_code, resolve_dtype
-from tensorstream.engine.core import EngineCore
 from tensorstream.engine.load_stats import LoadStats
 from tensorstream.engine.loaders import LOAD_FORMATS, LoadRequest, detect_format, get_loader
 from tensorstream.engine.loaders.tensorizer_config import storage_from_extra
@@ -32,8 +32,6 @@ from tensorstream.engine.model_files import (
     pop_lora_dir,
     template_text,
 )
-from tensorstream.engine.models.select import choose_model_impl, fill_native, prepare_native
-from tensorstream.engine.native_core import NativeEngineCore
 from tensorstream.engine.outputs import RequestOutput
 from tensorstream.engine.resolve import ModelLocation, resolve_model
 from tensorstream.engine.sampling import SamplingParams
@@ -41,6 +39,9 @@ from tensorstream.engine.threads import apply_threads
 from tensorstream.engine.vllm_args import check_llm_kwargs
 from tensorstream.errors import ConfigError, KeyRequiredError
 from tensorstream.utils.jsonarg import json_object
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["LLM", "LoadStats"]
 
@@ -118,7 +119,6 @@ class LLM:
         if max_num_seqs is not None and (not isinstance(max_num_seqs, int) or max_num_seqs < 1):
             raise ConfigError(f"max_num_seqs must be a positive integer, got {max_num_seqs!r}")
         self.max_num_seqs = max_num_seqs
-        self.cpu_threads = apply_threads(cpu_threads)
         load_format = str(load_format).strip().lower()
         if load_format not in LOAD_FORMATS:
             raise ConfigError(
@@ -133,12 +133,71 @@ class LLM:
         self.enable_lora = bool(enable_lora)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
-        self.device = torch.device(device) if device is not None else _default_device()
 
         self.location: ModelLocation = resolve_model(
             model, revision=revision, storage=storage_from_extra(extra)
         )
         load_format = load_format if load_format != "auto" else detect_format(self.location, extra)
+        prefetch = None
+        if tensor_parallel_size == 1 and load_format == "tensorizer":
+            # Before torch: its import is seconds the weights can spend arriving.
+            from tensorstream.engine.loaders.tensorizer import start_prefetch
+
+            prefetch = start_prefetch(extra, self.location.weights_uri, device)
+        try:
+            self._load(
+                prefetch,
+                load_format=load_format,
+                extra=extra,
+                dtype=dtype,
+                seed=seed,
+                device=device,
+                tokenizer=tokenizer,
+                max_model_len=max_model_len,
+                trust_remote_code=trust_remote_code,
+                model_impl=model_impl,
+                max_num_batched_tokens=max_num_batched_tokens,
+                cpu_threads=cpu_threads,
+                chat_template=chat_template,
+                tensor_parallel_size=tensor_parallel_size,
+            )
+        finally:
+            if prefetch is not None:
+                prefetch.close()  # joins its threads; frees the bytes no load took
+
+    def _load(
+        self,
+        prefetch: Any,
+        *,
+        load_format: str,
+        extra: dict[str, Any],
+        dtype: str | torch.dtype,
+        seed: int | None,
+        device: str | torch.device | None,
+        tokenizer: str | os.PathLike[str] | None,
+        max_model_len: int | None,
+        trust_remote_code: bool,
+        model_impl: str,
+        max_num_batched_tokens: int | None,
+        cpu_threads: int | None,
+        chat_template: str | os.PathLike[str] | None,
+        tensor_parallel_size: int,
+    ) -> None:
+        imports_started = time.perf_counter()
+        import torch
+
+        from tensorstream.engine.build import build_model, import_model_code, resolve_dtype
+        from tensorstream.engine.core import EngineCore
+        from tensorstream.engine.models.select import (
+            choose_model_impl,
+            fill_native,
+            prepare_native,
+        )
+        from tensorstream.engine.native_core import NativeEngineCore
+
+        import_seconds = time.perf_counter() - imports_started
+        self.cpu_threads = apply_threads(cpu_threads)
+        self.device = torch.device(device) if device is not None else _default_device()
         if tensor_parallel_size != 1:  # N ranks, each with its slices (engine/parallel/)
             from tensorstream.engine.parallel.launch import start_parallel
 
@@ -162,8 +221,10 @@ class LLM:
         # good part of a model from S3. The dtype comes from config.json, no import needed.
         early_dtype = resolve_dtype(dtype, config_json(self.location.files_dir))
         load_started = time.perf_counter()
-        pending = _background(
-            _timed, loader.load, LoadRequest(self.location, self.device, early_dtype, extra)
+        pending = _Pending(
+            _timed,
+            loader.load,
+            LoadRequest(self.location, self.device, early_dtype, extra, prefetch=prefetch),
         )
         try:
             # Native Llama-family code (no transformers import) or the transformers fallback;
@@ -221,6 +282,8 @@ class LLM:
             time.perf_counter() - build_started,
             mapped_bytes=weights.mapped_bytes,
             usable_seconds=time.perf_counter() - load_started,
+            import_seconds=import_seconds,
+            fetch_seconds=prefetch.fetch_seconds if prefetch is not None else None,
         )
         logger.info(
             "loaded %s (%s) in %.2f s; %s model code, %d CPU threads",
@@ -462,6 +525,8 @@ class LLM:
 
 
 def _default_device() -> torch.device:
+    import torch
+
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -482,21 +547,29 @@ def _keyed(fn: Any, *args: Any) -> Any:
         ) from exc
 
 
-def _background(fn: Any, *args: Any) -> Any:
-    """Run ``fn`` on a daemon thread; returns a future."""
-    import threading
-    from concurrent.futures import Future
+class _Pending:
+    """``fn(*args)`` on a daemon thread; ``result()`` joins it, so no thread outlives it."""
 
-    future: Future[Any] = Future()
+    def __init__(self, fn: Any, *args: Any) -> None:
+        import threading
 
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # delivered to the caller through the future
-            future.set_exception(exc)
+        self._value: Any = None
+        self._error: BaseException | None = None
 
-    threading.Thread(target=run, name="tensorstream-weights", daemon=True).start()
-    return future
+        def run() -> None:
+            try:
+                self._value = fn(*args)
+            except BaseException as exc:  # delivered to the caller by result()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="tensorstream-weights", daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _timed(fn: Any, *args: Any) -> tuple[Any, float]:

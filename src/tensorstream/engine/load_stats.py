@@ -24,6 +24,11 @@ class LoadStats:
         mapped_bytes: bytes left as views of a file mapping (not read yet).
         usable_seconds: wall time from the start of the load until the model held its
             weights (the read overlaps config/tokenizer loading, so this is not the sum).
+        import_seconds: time ``LLM`` spent importing torch and the model code (the
+            weights were already being fetched then).
+        fetch_seconds: wall time of the fetch started before those imports (remote
+            objects: the whole download; local files: the read-ahead request); None
+            when the load did not prefetch.
     """
 
     load_format: str
@@ -33,6 +38,8 @@ class LoadStats:
     build_seconds: float
     mapped_bytes: int = 0
     usable_seconds: float | None = None
+    import_seconds: float | None = None
+    fetch_seconds: float | None = None
 
     @property
     def bytes_read(self) -> int:
@@ -74,4 +81,6 @@ class LoadStats:
                 f"{self.mapped_bytes / 1e6:.1f} MB mapped from the page cache in "
                 f"{self.read_seconds:.2f} s (read on first use, no throughput to report)"
             )
+        if self.fetch_seconds is not None:
+            parts.append(f"fetch started before torch's import took {self.fetch_seconds:.2f} s")
         return ", ".join(parts) + f"; build {self.build_seconds:.2f} s"

@@ -12,12 +12,13 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tensorstream.engine.resolve import ModelLocation
 from tensorstream.errors import ConfigError
+
+if TYPE_CHECKING:  # torch is imported by the loaders' work, not by choosing a loader
+    import torch
 
 __all__ = ["LoadRequest", "LoadedWeights", "WeightLoader", "check_extra_keys"]
 
@@ -31,15 +32,18 @@ class LoadRequest:
         device: target device of the tensors.
         dtype: target dtype of floating-point tensors.
         extra: ``model_loader_extra_config``, already parsed from JSON.
+        prefetch: a :class:`~tensorstream.engine.prefetch.Prefetch` of the weights file,
+            started before torch was imported; a loader that can use it takes its bytes.
     """
 
     location: ModelLocation
     device: torch.device
     dtype: torch.dtype
     extra: Mapping[str, Any] = field(default_factory=dict)
+    prefetch: Any = None
 
 
-class LoadedWeights(Mapping[str, torch.Tensor]):
+class LoadedWeights(Mapping[str, "torch.Tensor"]):
     """Tensors by checkpoint name, plus what was read and from where.
 
     Attributes:

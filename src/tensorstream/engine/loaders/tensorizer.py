@@ -16,6 +16,7 @@ counts may be strings, as vLLM's guide writes them (``"True"``, ``"8"``).
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from tensorstream.engine.loaders.tensorizer_config import storage_from_extra
 from tensorstream.engine.vllm_args import parse_bool
 from tensorstream.errors import ConfigError, KeyRequiredError
 
-__all__ = ["TensorizerLoadOptions", "TensorizerLoader"]
+__all__ = ["TensorizerLoadOptions", "TensorizerLoader", "start_prefetch"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,24 +145,89 @@ class TensorizerLoader(WeightLoader):
             key = read_keyfile(options.encryption_keyfile, storage)
             kwargs["encryption"] = DecryptionParams.from_key(key)
         kwargs.update(_checked_kwargs(options.deserialization_kwargs))
+        prefetch = request.prefetch
+        fetched = prefetch.take() if prefetch is not None and prefetch.uri == uri else None
         try:
-            deserializer = TensorDeserializer(uri, **kwargs)
+            deserializer = TensorDeserializer(fetched or uri, **kwargs)
         except KeyRequiredError as exc:
+            _close(fetched)
             # The entry point (LLM or serve) adds how to give the key its own way.
             raise KeyRequiredError(f"{uri} is encrypted and no key was given") from exc
+        except BaseException:
+            _close(fetched)
+            raise
+        closer = _Closers(deserializer, fetched)
         try:
             tensors = dict(deserializer.items())
         except BaseException:
-            deserializer.close()
+            closer.close()
             raise
         nbytes = sum(t.nbytes for t in tensors.values())
-        return LoadedWeights(
-            tensors,
-            uri=uri,
-            nbytes=nbytes,
-            closer=deserializer,
-            mapped_bytes=_mapped_bytes(deserializer, tensors),
-        )
+        mapped = _mapped_bytes(deserializer, tensors)
+        if mapped:
+            from tensorstream.engine.prefetch import populate
+
+            populate(*_map_region(deserializer))
+        return LoadedWeights(tensors, uri=uri, nbytes=nbytes, closer=closer, mapped_bytes=mapped)
+
+
+#: ``deserialization_kwargs`` that read the file the same way whatever holds its bytes.
+_PREFETCH_SAFE = frozenset(
+    {
+        "verify_hash",
+        "num_readers",
+        "encryption",
+        "dtype",
+        "device",
+        *("plaid_mode", "plaid_mode_buffers"),
+    }
+)
+
+
+def start_prefetch(request_extra: Mapping[str, Any], weights_uri: str, device: Any) -> Any:
+    """Start fetching the ``.tensors`` file a plain CPU load will read; None when not.
+
+    Needs neither torch nor the deserializer, so ``LLM`` calls it before importing them.
+    Options that read the file differently (manifests, lazy loads, filters, shards) and
+    device loads (which stream through small staging buffers, not a whole host copy)
+    load as before. Bad options are left for :meth:`TensorizerLoader.load` to report.
+    """
+    if not _host_target(device):
+        return None
+    try:
+        options = TensorizerLoadOptions.from_extra(request_extra)
+        uri = options.uri_for(weights_uri)
+        storage = storage_from_extra(request_extra)
+    except Exception:  # noqa: BLE001 - the loader raises the real error later
+        return None
+    if not set(options.deserialization_kwargs) <= _PREFETCH_SAFE:
+        return None
+    from tensorstream.engine.prefetch import Prefetch
+
+    return Prefetch(uri, storage, options.num_readers)
+
+
+def _host_target(device: Any) -> bool:
+    """Whether the tensors will live in host memory, decided without importing torch."""
+    if device is None:  # CUDA when there is one
+        return not os.path.exists("/dev/nvidiactl")
+    return str(getattr(device, "type", device)).split(":")[0] == "cpu"
+
+
+class _Closers:
+    """Closes the deserializer, then the prefetched source under it."""
+
+    def __init__(self, deserializer: Any, source: Any) -> None:
+        self._items = (deserializer, source)
+
+    def close(self) -> None:
+        for item in self._items:
+            _close(item)
+
+
+def _close(item: Any) -> None:
+    if item is not None:
+        item.close()
 
 
 def _checked_kwargs(extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -214,6 +280,19 @@ def _readers(value: Any, what: str) -> int:
     return count
 
 
+def _map_region(deserializer: Any) -> tuple[int, int]:
+    """Address and length of the deserializer's file mapping; (0, 0) when it has none."""
+    import ctypes
+
+    region = getattr(getattr(deserializer, "_file_map", None), "_map", None)
+    if region is None:
+        return 0, 0
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(region)), len(region)
+    except (TypeError, ValueError):
+        return 0, 0
+
+
 def _mapped_bytes(deserializer: Any, tensors: Mapping[str, Any]) -> int:
     """Bytes of ``tensors`` that are views of the deserializer's file mapping.
 
@@ -221,17 +300,10 @@ def _mapped_bytes(deserializer: Any, tensors: Mapping[str, Any]) -> int:
     nothing is read until the model touches them. Tensors that were converted,
     decrypted or copied live elsewhere and count as read.
     """
-    import ctypes
-
-    fmap = getattr(deserializer, "_file_map", None)
-    region = getattr(fmap, "_map", None)
-    if region is None:
+    start, length = _map_region(deserializer)
+    if not length:
         return 0
-    try:
-        start = ctypes.addressof(ctypes.c_char.from_buffer(region))
-    except (TypeError, ValueError):
-        return 0
-    end = start + len(region)
+    end = start + length
     return sum(
         t.nbytes for t in tensors.values() if t.device.type == "cpu" and start <= t.data_ptr() < end
     )
