@@ -33,11 +33,15 @@ def _timed(obj: Any, name: str, sink: list[float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def profile_batch(llm: Any, batch: int, steps: int, torch_profile: bool) -> dict[str, float]:
-    """Median ms per decode step (total, forward, head, other) at ``batch`` rows."""
+def profile_batch(
+    llm: Any, batch: int, steps: int, torch_profile: bool, compare: bool = False
+) -> dict[str, float]:
+    """Median ms per decode step (total, forward, head, other) at ``batch`` rows; with
+    ``compare``, also the median step of the fused/packed linears vs plain ones."""
     import torch
 
     from tensorstream.engine import SamplingParams
+    from tensorstream.engine.models import llama
 
     engine, model = llm.engine, llm.model
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
@@ -61,10 +65,15 @@ def profile_batch(llm: Any, batch: int, steps: int, torch_profile: bool) -> dict
     if torch_profile:
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         profiler.__enter__()
-    for _ in range(steps):
+    compared: dict[bool, list[float]] = {True: [], False: []}
+    for step in range(steps):
+        if compare:  # alternate the paths step by step: both see the same machine load
+            llama.FAST_LINEARS = step % 2 == 0
         started = time.perf_counter()
         engine.step()
         totals.append(time.perf_counter() - started)
+        compared[llama.FAST_LINEARS].append(totals[-1])
+    llama.FAST_LINEARS = True
     if profiler is not None:
         profiler.__exit__(None, None, None)
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
@@ -75,7 +84,11 @@ def profile_batch(llm: Any, batch: int, steps: int, torch_profile: bool) -> dict
     total = statistics.median(totals) * ms
     fwd = statistics.median(forward) * ms
     lm = statistics.median(head) * ms
-    return {
+    result = {}
+    if compare:
+        fast, plain = statistics.median(compared[True]), statistics.median(compared[False])
+        result = {"fast_ms": fast * 1000, "plain_ms": plain * 1000, "speedup": plain / fast}
+    return result | {
         "batch": batch,
         "prefill_ms": prefill * ms,
         "step_ms": total,
@@ -95,6 +108,11 @@ def main() -> None:
     parser.add_argument("--cpu-threads", type=int, default=None)
     parser.add_argument("--repeat", type=int, default=1, help="runs per batch size")
     parser.add_argument("--torch-profile", action="store_true")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="alternate fused/packed and plain linears per step; print both medians",
+    )
     args = parser.parse_args()
 
     import torch
@@ -115,13 +133,19 @@ def main() -> None:
     )
     for batch in args.batch:
         for _ in range(args.repeat):
-            row = profile_batch(llm, batch, args.steps, args.torch_profile)
+            row = profile_batch(llm, batch, args.steps, args.torch_profile, args.compare)
             print(
                 "batch {batch:3d}: step {step_ms:7.2f} ms (forward {forward_ms:6.2f}, "
                 "head {head_ms:5.2f}, other {other_ms:5.2f}) = {ms_per_token:6.2f} ms/token, "
                 "{tok_s:6.1f} tok/s; prefill {prefill_ms:6.1f} ms".format(**row),
                 flush=True,
             )
+            if args.compare:
+                print(
+                    "  same run, alternating steps: fused/packed {fast_ms:7.2f} ms, "
+                    "plain {plain_ms:7.2f} ms per step ({speedup:.2f}x)".format(**row),
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

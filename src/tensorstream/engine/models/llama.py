@@ -10,6 +10,7 @@ engine's own (``engine/kvcache.py``), addressed through an :class:`AttentionBatc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -56,11 +57,125 @@ class AttentionBatch:
     decode_slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+#: Fused/packed matmuls on the inference path; False runs every layer as a plain
+#: ``nn.Linear`` (``bench/decode_profile.py --compare`` alternates the two per step).
+FAST_LINEARS = True
+_PACK_ENV = "TENSORSTREAM_PACK_WEIGHTS"
+_PACK_AUTO_BYTES = 4 << 30  # auto mode packs models up to this many linear-weight bytes
+
+
+def pack_enabled(weight: torch.Tensor, model_bytes: int = 0) -> bool:
+    """Whether ``weight`` gets a prepacked oneDNN copy for inference matmuls.
+
+    Why: torch's plain bf16 ``linear`` on CPU reaches oneDNN too, but re-derives the
+    kernel and reads the weight in its checkpoint layout on every call; a weight reordered
+    once into oneDNN's blocked layout runs measurably faster (``bench/decode_profile.py``)
+    with bit-identical results. The price is a second copy of the linear weights, so the
+    automatic choice packs only models up to 4 GiB of them; ``TENSORSTREAM_PACK_WEIGHTS=1``
+    forces packing, ``=0`` turns it off.
+    """
+    setting = os.environ.get(_PACK_ENV, "").strip().lower()
+    if setting in ("0", "false", "no", "off"):
+        return False
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return False
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False
+    return setting in ("1", "true", "yes", "on") or model_bytes <= _PACK_AUTO_BYTES
+
+
+class FusedLinear:
+    """Several ``nn.Linear`` layers over the same input as one matmul.
+
+    The layers' weights (and biases) are concatenated along the output dim once, and the
+    layers' parameters are rebound as views into the result, so names, ``state_dict``,
+    LoRA shape checks and in-place weight updates keep working and no memory is
+    duplicated. A prepacked copy is added where :func:`pack_enabled`. :meth:`valid`
+    notices a parameter replaced or written since (pointer and version counter), and
+    callers then build a fresh one.
+
+    Args:
+        layers: linear layers with equal ``in_features`` (one layer: packing only).
+        model_bytes: the model's linear-weight bytes, for :func:`pack_enabled`'s budget.
+    """
+
+    def __init__(self, layers: list[nn.Linear], model_bytes: int = 0) -> None:
+        self.layers = layers
+        self.sizes = [layer.out_features for layer in layers]
+        with torch.no_grad():
+            self.weight = self._fuse([layer.weight for layer in layers])
+            self.bias = None
+            if any(layer.bias is not None for layer in layers):
+                # A layer without bias adds zeros (not a new parameter: names stay the checkpoint's).
+                self.bias = self._fuse(
+                    [
+                        layer.bias if layer.bias is not None else layer.weight.new_zeros(size)
+                        for layer, size in zip(layers, self.sizes, strict=True)
+                    ]
+                )
+        self.packed = None
+        if pack_enabled(self.weight, model_bytes or self.weight.numel() * 2):
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 2)
+            except RuntimeError:  # an unsupported shape or build: the dense matmul serves
+                self.packed = None
+        self.key = self._key()
+
+    @staticmethod
+    def _fuse(params: list[torch.Tensor]) -> torch.Tensor:
+        if len(params) == 1:
+            return params[0].detach()
+        fused = torch.cat([p.detach() for p in params])
+        offset = 0
+        for param in params:
+            size = param.shape[0]
+            if isinstance(param, nn.Parameter):
+                param.data = fused[offset : offset + size]
+            offset += size
+        return fused
+
+    def _key(self) -> tuple:
+        key = []
+        for layer in self.layers:
+            for param in (layer.weight, layer.bias):
+                if param is not None:
+                    key.append((param.data_ptr(), param._version, tuple(param.shape)))
+        return tuple(key)
+
+    def valid(self) -> bool:
+        """False when a layer's weight or bias was replaced or written since fusing."""
+        return self._key() == self.key
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.dtype == self.weight.dtype:
+            flat = x.reshape(-1, x.shape[-1])
+            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+            return out.view(*x.shape[:-1], out.shape[-1])
+        return F.linear(x, self.weight, self.bias)
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` without random init: its weights always come from the checkpoint."""
+    """``nn.Linear`` without random init: its weights always come from the checkpoint.
+
+    Under no-grad it runs through a :class:`FusedLinear` of itself (a prepacked oneDNN
+    weight where :func:`pack_enabled`), so forward hooks (tensor parallelism's
+    all-reduce) still fire around the faster matmul.
+    """
 
     def reset_parameters(self) -> None:
         pass
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not FAST_LINEARS or torch.is_grad_enabled():
+            return super().forward(x)
+        fast = self.__dict__.get("_fast")
+        if fast is None or not fast.valid():
+            fast = self.__dict__["_fast"] = FusedLinear([self], self.__dict__.get("_budget", 0))
+        return fast(x)
 
 
 class Embedding(nn.Embedding):
@@ -102,6 +217,33 @@ def _linear(x: torch.Tensor, layer: nn.Linear, lora: Any, name: str) -> torch.Te
     return out
 
 
+def _fused_linear(
+    x: torch.Tensor, fused: FusedLinear, lora: Any, names: tuple[str, ...]
+) -> list[torch.Tensor]:
+    """``fused``'s layers applied to ``x`` in one matmul, split back per layer (+ LoRA)."""
+    if x.shape[:-1].numel() == 1:  # one row runs as two: see _linear
+        return [out[:1] for out in _fused_linear(torch.cat([x, x]), fused, lora, names)]
+    outs = list(fused(x).split(fused.sizes, dim=-1))
+    if lora is not None:
+        outs = [lora.apply(name, x, out) for name, out in zip(names, outs, strict=True)]
+    return outs
+
+
+def _fusion(owner: nn.Module, slot: str, layers: tuple[nn.Linear, ...]) -> FusedLinear | None:
+    """``owner``'s cached :class:`FusedLinear` of ``layers`` (rebuilt when stale), or None
+    where the plain per-layer path must run: autograd, or hooks on a layer (they must fire)."""
+    if (
+        not FAST_LINEARS
+        or torch.is_grad_enabled()
+        or any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
+    ):
+        return None
+    fused = owner.__dict__.get(slot)
+    if fused is None or not fused.valid():
+        fused = owner.__dict__[slot] = FusedLinear(list(layers), owner.__dict__.get("_budget", 0))
+    return fused
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention over the engine's KV cache."""
 
@@ -132,9 +274,17 @@ class Attention(nn.Module):
         rows, tokens, _ = x.shape
         lora = batch.adapters if batch is not None else None
         prefix = f"model.layers.{self.layer}.self_attn."
-        q = _linear(x, self.q_proj, lora, prefix + "q_proj").view(rows, tokens, -1, self.head_dim)
-        k = _linear(x, self.k_proj, lora, prefix + "k_proj").view(rows, tokens, -1, self.head_dim)
-        v = _linear(x, self.v_proj, lora, prefix + "v_proj").view(rows, tokens, -1, self.head_dim)
+        names = (prefix + "q_proj", prefix + "k_proj", prefix + "v_proj")
+        fused = _fusion(self, "_qkv", (self.q_proj, self.k_proj, self.v_proj))
+        if fused is not None:
+            q, k, v = _fused_linear(x, fused, lora, names)
+        else:
+            q = _linear(x, self.q_proj, lora, names[0])
+            k = _linear(x, self.k_proj, lora, names[1])
+            v = _linear(x, self.v_proj, lora, names[2])
+        q = q.view(rows, tokens, -1, self.head_dim)
+        k = k.view(rows, tokens, -1, self.head_dim)
+        v = v.view(rows, tokens, -1, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -202,13 +352,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
         p = self.prefix
-        gate = F.silu(_linear(x, self.gate_proj, lora, p + "gate_proj"))
-        return _linear(
-            gate * _linear(x, self.up_proj, lora, p + "up_proj"),
-            self.down_proj,
-            lora,
-            p + "down_proj",
-        )
+        fused = _fusion(self, "_gate_up", (self.gate_proj, self.up_proj))
+        if fused is not None:
+            gate, up = _fused_linear(x, fused, lora, (p + "gate_proj", p + "up_proj"))
+        else:
+            gate = _linear(x, self.gate_proj, lora, p + "gate_proj")
+            up = _linear(x, self.up_proj, lora, p + "up_proj")
+        return _linear(F.silu(gate) * up, self.down_proj, lora, p + "down_proj")
 
 
 class DecoderLayer(nn.Module):
@@ -287,11 +437,23 @@ class NativeCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch | None
     ) -> torch.Tensor:
         """Final-norm hidden states [batch, tokens, hidden] for ``input_ids`` at ``positions``."""
+        self._set_pack_budget()
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, batch)
         return self.model.norm(x)
+
+    def _set_pack_budget(self) -> None:
+        """Tell the layers the model's linear-weight bytes (``pack_enabled``'s budget), once."""
+        if self.__dict__.get("_budget_set"):
+            return
+        linears = [m for m in self.modules() if isinstance(m, nn.Linear)]
+        total = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, Attention, MLP)):
+                module.__dict__["_budget"] = total
+        self.__dict__["_budget_set"] = True
 
     def logits(self, hidden: torch.Tensor, adapters: Any = None) -> torch.Tensor:
         """LM-head logits of ``hidden`` (contiguous, so CPU bf16 matmul takes its fast path)."""
