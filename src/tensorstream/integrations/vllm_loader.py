@@ -18,6 +18,7 @@ into the parameters of the same name.
 from __future__ import annotations
 
 import time
+from collections.abc import Generator, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -29,10 +30,13 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from tensorstream.errors import ConfigError, FormatError, TensorStreamError
 from tensorstream.formats.tensorizer import TENSOR_TYPE_BUFFER
 from tensorstream.integrations.vllm_options import (
+    RANK_FIELD,
+    RANK_TEMPLATE,
     VllmLoadOptions,
     first_existing,
     weights_candidates,
 )
+from tensorstream.integrations.vllm_stream import batch_plan, prefault, stream_batches
 
 __all__ = ["TensorstreamModelLoader"]
 
@@ -57,6 +61,14 @@ def _tp_rank_and_size() -> tuple[int, int]:
         return 0, 1
 
 
+def _is_rank_file(uri: str, options: VllmLoadOptions, rank: int) -> bool:
+    """Whether ``uri`` is this rank's own file (a rank template rendered), not one file
+    every rank reads whole."""
+    if options.tensorizer_uri:
+        return RANK_FIELD.search(options.tensorizer_uri) is not None
+    return uri.rsplit("/", 1)[-1] == RANK_TEMPLATE % rank
+
+
 class TensorstreamModelLoader(BaseModelLoader):
     """``--load-format tensorstream``: weights streamed by tensorstream's deserializer."""
 
@@ -75,18 +87,15 @@ class TensorstreamModelLoader(BaseModelLoader):
         """Check that the weights are reachable (nothing is downloaded ahead of loading)."""
         self.weights_uri(model_config)
 
-    def _deserializer(self, uri: str, device: torch.device, dtype: torch.dtype) -> Any:
-        from tensorstream import TensorDeserializer
-
+    def _deserializer_kwargs(self, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
         kwargs: dict[str, Any] = {
             "device": device,
             "dtype": dtype,
             "num_readers": self.options.num_readers,
             "verify_hash": self.options.verify_hash,
-            # vLLM copies every tensor into its own parameters, so a view of the page
-            # cache saves no memory, and its page faults during those copies cost more
-            # (1.9 s against 0.6 s measured for SmolLM2) than parallel reads into memory.
-            "use_mmap": False,
+            # Local CPU loads view the page cache: vLLM copies each tensor into its own
+            # (prefaulted) parameter, so a private copy would only add page faults.
+            "use_mmap": True,
         }
         if self.options.storage is not None:
             kwargs["storage"] = self.options.storage
@@ -97,7 +106,7 @@ class TensorstreamModelLoader(BaseModelLoader):
             key = read_keyfile(self.options.encryption_keyfile, self.options.storage)
             kwargs["encryption"] = DecryptionParams.from_key(key)
         kwargs.update(self.options.deserialization_kwargs)
-        return TensorDeserializer(uri, **kwargs)
+        return kwargs
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         """Stream the weights into ``model`` (vLLM runs post-load processing afterwards).
@@ -109,44 +118,104 @@ class TensorstreamModelLoader(BaseModelLoader):
             SourceError: the storage failed.
         """
         uri = self.weights_uri(model_config)
+        rank, world_size = _tp_rank_and_size()
         param = next(model.parameters(), None)
         device = param.device if param is not None else torch.device("cpu")
         start = time.perf_counter()
-        with self._deserializer(uri, device, model_config.dtype) as deserializer:
-            read_s = time.perf_counter() - start
-            nbytes = int(getattr(deserializer, "total_tensor_bytes", 0) or 0)
-            named = list(_named_tensors(deserializer))
-            fill = time.perf_counter()
-            if any(name == VLLM_MARKER for name, _, _ in named):
-                loaded = _copy_vllm_tensorized(model, named, uri)
+        kwargs = self._deserializer_kwargs(device, model_config.dtype)
+        prefaulted = prefault(model.parameters()) if device.type == "cpu" else 0
+        fill = time.perf_counter()
+        reader = _Reader(uri, kwargs, self.options.batch_bytes)
+        # a rank file of Hugging Face names holds this rank's slices (its sidecar says
+        # for which tensor-parallel size); vLLM's own layout is recognised by its marker
+        rank_file = not reader.vllm_tensorized and _is_rank_file(uri, self.options, rank)
+        if rank_file:
+            from tensorstream.integrations.vllm_shards import check_world_size
+
+            check_world_size(uri, world_size, self.options.storage)
+        tensors = reader.tensors()
+        # vLLM's weight loaders copy one tensor (typically 0.1-4 MB) at a time; each copy
+        # as an OpenMP parallel region cost 2-60x a single-threaded copy here (every
+        # region waits for all of vLLM's pinned threads), so the copies run on one.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            if reader.vllm_tensorized:
+                loaded = _copy_vllm_tensorized(model, tensors, uri)
+            elif rank_file:  # this rank's slices already: vLLM must not slice them again
+                from tensorstream.integrations.vllm_shards import copy_rank_slices
+
+                loaded = copy_rank_slices(model, tensors, uri)
             else:
-                loaded = _feed_load_weights(model, named, uri)
+                loaded = _feed_load_weights(model, tensors, uri)
+        finally:
+            torch.set_num_threads(threads)
+            tensors.close()  # stops the background reader when vLLM failed half-way
         end = time.perf_counter()
         # vLLM's default loader logs the same sentence; benchmarks read both alike.
         logger.info(
-            "Loading weights took %.2f seconds (tensorstream: %d tensors, %.3f GB from %s; "
-            "read %.2f s at %.2f GB/s, into the model %.2f s)",
+            "Loading weights took %.2f seconds (tensorstream: %d tensors, %.3f GB from %s "
+            "in %d batch(es); %.3f GB prefaulted in %.2f s; read %.2f s, overlapped with "
+            "filling the model)",
             end - start,
             loaded,
-            nbytes / 1e9,
+            reader.nbytes / 1e9,
             uri,
-            read_s,
-            nbytes / read_s / 1e9 if read_s > 0 else float("inf"),
-            end - fill,
+            reader.batches,
+            prefaulted / 1e9,
+            fill - start,
+            reader.read_seconds,
         )
 
 
-def _named_tensors(deserializer: Any) -> Any:
-    """``(name, tensor_type, tensor)`` for every tensor, in file order."""
-    index = getattr(deserializer, "index", None)
-    records = getattr(index, "records", None)
-    if records is None:  # a sharded safetensors checkpoint: plain names, no types
-        for name, tensor in deserializer.items():
-            yield str(name), -1, tensor.detach()
-        return
-    for record in records:
-        # plain tensors: vLLM's weight loaders copy out of them and need no autograd
-        yield record.name, record.tensor_type, deserializer[record.key].detach()
+class _Reader:
+    """The file's tensors as ``(name, tensor_type, tensor)``, in file order, streamed.
+
+    A local CPU load is one deserializer (page-cache views: nothing to bound). Any
+    other load (remote, or onto a device) reads batches of about ``batch_bytes`` on
+    a background thread, each batch its own ``TensorDeserializer`` over a slice of
+    the index, so the model is never held twice.
+    """
+
+    def __init__(self, uri: str, kwargs: dict[str, Any], batch_bytes: int) -> None:
+        from tensorstream import TensorDeserializer
+
+        self.uri, self.kwargs = uri, kwargs
+        self.nbytes, self.read_seconds = 0, 0.0
+        local = "://" not in uri or uri.startswith("file://")
+        with TensorDeserializer(uri, **{**kwargs, "lazy_load": True}) as index_only:
+            index = getattr(index_only, "index", None)
+            self.records = list(getattr(index, "records", None) or [])
+        self.vllm_tensorized = any(r.name == VLLM_MARKER for r in self.records)
+        self.nbytes = sum(r.data_length for r in self.records)
+        whole = (
+            not self.records  # a sharded safetensors checkpoint: no single index
+            or (local and kwargs["device"].type == "cpu")
+            or kwargs.get("lazy_load")
+        )
+        self.plan = [self.records] if whole else batch_plan(self.records, batch_bytes)
+        self.batches = len(self.plan)
+
+    def _read(self, batch: list) -> list[tuple[str, int, torch.Tensor]]:
+        from tensorstream import TensorDeserializer
+
+        started = time.perf_counter()
+        kwargs = dict(self.kwargs)
+        if len(self.plan) > 1:
+            keys = {r.key for r in batch}
+            kwargs["filter_func"] = keys.__contains__
+        with TensorDeserializer(self.uri, **kwargs) as deserializer:
+            if not batch:  # sharded safetensors: plain names, no types
+                out = [(str(n), -1, t.detach()) for n, t in deserializer.items()]
+                self.nbytes = int(getattr(deserializer, "total_tensor_bytes", 0) or 0)
+            else:
+                # plain tensors: vLLM's weight loaders copy out of them, no autograd
+                out = [(r.name, r.tensor_type, deserializer[r.key].detach()) for r in batch]
+        self.read_seconds += time.perf_counter() - started
+        return out
+
+    def tensors(self) -> Generator[tuple[str, int, torch.Tensor], None, None]:
+        return stream_batches(self.plan, self._read)
 
 
 def _model_names(model: nn.Module) -> set[str]:
@@ -162,11 +231,12 @@ def _skippable(name: str, tensor_type: int, known: set[str]) -> bool:
     return tensor_type == TENSOR_TYPE_BUFFER or any(part in name for part in _ROTARY)
 
 
-def _feed_load_weights(model: nn.Module, named: list, uri: str) -> int:
-    """Hand the tensors to ``model.load_weights`` (vLLM's name mapping, fusing and sharding)."""
+def _feed_load_weights(model: nn.Module, named: Iterator, uri: str) -> int:
+    """Hand the tensors to ``model.load_weights`` (vLLM's name mapping, fusing and sharding)
+    as they arrive."""
     known = _model_names(model)
     skipped: list[str] = []
-    current: dict[str, Any] = {}
+    current: dict[str, Any] = {"count": 0}
 
     def weights() -> Any:
         for name, tensor_type, tensor in named:
@@ -174,6 +244,7 @@ def _feed_load_weights(model: nn.Module, named: list, uri: str) -> int:
                 skipped.append(name)
                 continue
             current["name"], current["shape"] = name, tuple(tensor.shape)
+            current["count"] += 1
             yield name, tensor
 
     try:
@@ -194,10 +265,10 @@ def _feed_load_weights(model: nn.Module, named: list, uri: str) -> int:
             len(skipped),
             ", ".join(skipped[:4]) + (" ..." if len(skipped) > 4 else ""),
         )
-    return len(named) - len(skipped)
+    return current["count"]
 
 
-def _copy_vllm_tensorized(model: nn.Module, named: list, uri: str) -> int:
+def _copy_vllm_tensorized(model: nn.Module, named: Iterable, uri: str) -> int:
     """Copy a vLLM-tensorized file (vLLM's names, this rank's shards) into the parameters."""
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers(remove_duplicate=False)))

@@ -19,8 +19,10 @@ from typing import Any
 from tensorstream.errors import ConfigError, SourceNotFoundError
 
 __all__ = [
+    "RANK_FIELD",
     "RANK_TEMPLATE",
     "VllmLoadOptions",
+    "checked_deserializer_kwargs",
     "coerce_scalars",
     "first_existing",
     "weights_candidates",
@@ -28,7 +30,8 @@ __all__ = [
 
 #: vLLM's rank-file template, rendered with the tensor-parallel rank.
 RANK_TEMPLATE = "model-rank-%03d.tensors"
-_TEMPLATE = re.compile(r"%0\dd")
+#: A rank field in a ``tensorizer_uri`` (``%03d``).
+RANK_FIELD = re.compile(r"%0\dd")
 _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
@@ -97,6 +100,8 @@ class VllmLoadOptions:
         encryption_keyfile: key file (path or URI) of an encrypted file.
         storage: ``StorageOptions`` from the ``s3_*`` keys and ``stream_kwargs``.
         deserialization_kwargs: extra ``TensorDeserializer`` keyword arguments.
+        batch_bytes: a remote load is read in batches of about this size while the
+            previous batch goes into the model (bounds the extra host memory).
     """
 
     tensorizer_uri: str | None = None
@@ -106,6 +111,7 @@ class VllmLoadOptions:
     encryption_keyfile: str | None = None
     storage: Any = None
     deserialization_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    batch_bytes: int = 32 << 20
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> VllmLoadOptions:
@@ -159,7 +165,13 @@ class VllmLoadOptions:
             storage = StorageOptions(**storage_values)
         deser = coerce_scalars(
             dict(parsed.deserialization_kwargs),
-            {"verify_hash": False, "lazy_load": False, "use_mmap": True, "num_readers": 0},
+            {
+                "verify_hash": False,
+                "lazy_load": False,
+                "use_mmap": True,
+                "num_readers": 0,
+                "require_manifest": False,
+            },
             "model_loader_extra_config['deserialization_kwargs']",
         )
         for reserved in ("device", "dtype", "encryption", "storage"):
@@ -168,9 +180,7 @@ class VllmLoadOptions:
                     f"model_loader_extra_config['deserialization_kwargs'][{reserved!r}] is set "
                     "by vLLM or by the other keys (encryption_keyfile, s3_*); drop it"
                 )
-        from tensorstream.engine.loaders.tensorizer import _checked_kwargs
-
-        deser = _checked_kwargs(deser)
+        deser = checked_deserializer_kwargs(deser)
         return cls(
             tensorizer_uri=parsed.tensorizer_uri,
             tensorizer_dir=parsed.tensorizer_dir,
@@ -180,6 +190,35 @@ class VllmLoadOptions:
             storage=storage,
             deserialization_kwargs=deser,
         )
+
+
+#: tensorizer's ``TensorDeserializer`` options that have no meaning here (accepted, dropped).
+_TENSORIZER_ONLY = ("plaid_mode", "plaid_mode_buffers")
+
+
+def checked_deserializer_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``deserialization_kwargs`` checked against ``TensorDeserializer``'s public signature.
+
+    Raises:
+        ConfigError: a key that is not one of its keyword arguments.
+    """
+    import inspect
+
+    from tensorstream import TensorDeserializer
+
+    accepted = {
+        name
+        for name, p in inspect.signature(TensorDeserializer.__init__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    out = {k: v for k, v in kwargs.items() if k not in _TENSORIZER_ONLY}
+    unknown = sorted(set(out) - accepted)
+    if unknown:
+        raise ConfigError(
+            f"model_loader_extra_config['deserialization_kwargs'] keys {unknown} are not "
+            f"TensorDeserializer options; accepted: {', '.join(sorted(accepted))}"
+        )
+    return out
 
 
 def weights_candidates(
@@ -198,7 +237,7 @@ def weights_candidates(
 
     uri = options.tensorizer_uri
     if uri:
-        return [uri % rank if _TEMPLATE.search(uri) else uri]
+        return [uri % rank if RANK_FIELD.search(uri) else uri]
     base = options.tensorizer_dir or model_dir
     names = ["model.tensors", "model.safetensors.index.json", "model.safetensors"]
     if world_size > 1:
