@@ -260,6 +260,33 @@ class NativeEngineCore(EngineCore):
         for k, (entry, _) in enumerate(finishing):
             self._start_decoding(entry, logits[n + k : n + k + 1], touched)
 
+    def _sample_sequences(
+        self, sequences: list[_Sequence], logits: torch.Tensor, touched: dict[str, _Request]
+    ) -> None:
+        """As the base engine's, with one batched argmax when every row is plain greedy.
+
+        Plain greedy (no penalties, no logprobs) needs only each row's argmax and its
+        log-probability: one ``argmax`` and one ``logsumexp`` over the batch instead of a
+        full-vocabulary ``log_softmax`` plus an ``argmax`` per row.
+        """
+        if not all(
+            seq.finish_reason is None
+            and seq.logprobs is None
+            and seq.request.params.greedy
+            and not seq.request.params.uses_penalties
+            for seq in sequences
+        ):
+            super()._sample_sequences(sequences, logits, touched)
+            return
+        logits = logits.float()
+        tokens = torch.argmax(logits, dim=-1)
+        chosen = logits.gather(1, tokens[:, None])[:, 0]
+        logprobs = (chosen - torch.logsumexp(logits, dim=-1)).tolist()
+        for seq, token, logprob in zip(sequences, tokens.tolist(), logprobs, strict=True):
+            seq.cumulative_logprob += logprob
+            self._append(seq, token)
+            touched[seq.request.request_id] = seq.request
+
     def _adapters(self, sequences: list[_Sequence]) -> Any:
         """The rows' LoRA adapters for one forward (None: every row runs the base model)."""
         if self.lora_manager is None:

@@ -199,10 +199,9 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * x.to(dtype)
+        # torch's fused kernel: one op instead of six, same float32 arithmetic.
+        normed = F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.variance_epsilon)
+        return self.weight * normed.to(x.dtype)
 
 
 def _linear(x: torch.Tensor, layer: nn.Linear, lora: Any, name: str) -> torch.Tensor:
