@@ -6,6 +6,8 @@ talk to identically configured servers. Loopback numbers measure client CPU cost
 parallelism, not a network: read them as ratios.
 
 * ``http`` — nginx serves the checkpoint dir; the page cache behind a URL is the file itself.
+* ``http-slow`` — the same nginx through its ``/slow/`` view: each connection is capped
+  at 16 MiB/s (``limit_rate``), so the source, not the client, is the bottleneck.
 * ``s3`` — every checkpoint file is uploaded once per run into bucket ``bench``; the page
   cache behind an object is SeaweedFS's volume files, which ``cache_paths`` lists.
 """
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from bench.sources import BenchSource, Located
 
-__all__ = ["NginxBenchSource", "SeaweedBenchSource"]
+__all__ = ["NginxBenchSource", "SeaweedBenchSource", "SlowNginxBenchSource"]
 
 _BUCKET = "bench"
 
@@ -109,3 +111,22 @@ class SeaweedBenchSource(BenchSource):
         if self._workdir:
             shutil.rmtree(self._workdir, ignore_errors=True)
             self._workdir = None
+
+
+class SlowNginxBenchSource(NginxBenchSource):
+    """nginx's ``/slow/`` view of the checkpoint dir: each connection is capped by nginx's
+    ``limit_rate`` (``tests/servers/nginx.py``: ``SLOW_RATE_BYTES``, 16 MiB/s).
+
+    Object stores cap each connection's throughput (S3: tens of MB/s per GET), which is
+    why loaders open parallel ranged readers and why more ranks, each with its own
+    connections, load faster. On loopback the plain ``http`` source is CPU-bound; this
+    one is source-bound, the case the tensor-parallel target (tp=2 <= 0.6x tp=1) is about.
+    """
+
+    name = "http-slow"
+
+    def locate(self, directory: Path, filename: str) -> Located:
+        assert self._server is not None, "start() first"
+        return Located(
+            uri=self._server.slow_url(filename), cache_paths=(str(Path(directory) / filename),)
+        )

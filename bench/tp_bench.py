@@ -1,22 +1,31 @@
 """Tensor-parallel loading: per-rank bytes read, time to loaded and host memory.
 
-``python -m bench.tp_bench [--layers 6] [--sources local,http,s3] [--out DIR]`` writes a
-synthetic Llama (bf16, hidden 2048, GQA 16/4 heads, MLP 5632, vocab 32000; ~0.85 GB at
-6 layers) once as one unsharded ``model.tensors`` and once as 2 rank files, serves the
-directory from local disk, nginx and SeaweedFS (loopback, ``bench/servers.py``), and for
-each case starts one process per rank at the same time. Each rank loads what the
-engine would (``engine/parallel/weights.py``: its rank file whole, or its slices of the
-unsharded file with the Llama TP plan) into fresh memory (``use_mmap=False``, so local
-bytes are really read) and reports bytes read, seconds and RSS. Cases:
+``python -m bench.tp_bench [--layers 15] [--hidden 2048] [--repeats 3]
+[--sources local,http,http-slow,s3] [--out DIR]`` writes a synthetic Llama (bf16,
+hidden 2048, GQA 16/4 heads, MLP 5632, vocab 32000; ~1.5 GiB at the default 15 layers)
+once as one unsharded ``model.tensors`` and once as 2 rank files (the engine's plan:
+vocab-split embeddings and head), serves the directory from local disk, nginx and
+SeaweedFS (loopback, ``bench/servers.py``), and for each case starts one process per
+rank at the same time. Each rank loads what the engine would
+(``engine/parallel/weights.py``: its rank file whole, or its slices of the unsharded
+file with the Llama TP plan) into fresh memory (``use_mmap=False``, so local bytes are
+really read) and reports bytes read, bytes held, seconds and RSS. Cases:
 
 * ``tp1``: one process, the whole unsharded file;
 * ``tp2-unsharded``: two ranks slicing the one file (default ``max_gap``);
 * ``tp2-unsharded-gap0``: the same with ``max_gap=0`` (dim-1 slices read exactly, one
-  ranged read per row piece) — the read-through-vs-requests trade-off;
+  ranged read per row piece) — the read-through-vs-requests trade-off (not run on
+  ``http-slow``, where each of its ~60k requests waits on a throttled connection);
 * ``tp2-rankfiles``: two ranks, each its own file.
 
-The page cache is warm (files were just written or uploaded): numbers are client-side
-CPU and parallelism on loopback, not a network or a disk. Print a JSON list of rows.
+Sources: ``local``, ``http`` and ``s3`` have a warm page cache behind loopback, so the
+client CPU is the bottleneck. ``http-slow`` is nginx with a per-connection
+``limit_rate`` (16 MiB/s), the way object stores cap each connection: there the
+source is the bottleneck and throughput grows with connections (readers x ranks).
+
+Each case runs ``--repeats`` times; a row holds the medians (and every run's figure)
+plus the ranks of the median run. ``rss_ok`` says whether every rank's RSS stayed
+within its shard (bytes held) + 256 MiB. Prints a JSON object with the rows.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,13 +42,18 @@ from pathlib import Path
 from typing import Any
 
 CASES = ("tp1", "tp2-unsharded", "tp2-unsharded-gap0", "tp2-rankfiles")
+#: Throttled connections: a request per dim-1 row piece (gap0) would take minutes.
+SLOW_CASES = ("tp1", "tp2-unsharded", "tp2-rankfiles")
+SOURCES = ("local", "http", "http-slow", "s3")
+#: The issue's host-memory target: a rank's RSS within its shard plus this.
+RSS_SLACK = 256 << 20
 
 
-def synthetic_llama(layers: int) -> dict[str, Any]:
-    """A random bf16 Llama state dict (Hugging Face names)."""
+def synthetic_llama(layers: int, hidden: int = 2048) -> dict[str, Any]:
+    """A random bf16 Llama state dict (Hugging Face names); MLP 2.75x hidden, 16/4 heads."""
     import torch
 
-    h, i, v, heads, kv = 2048, 5632, 32000, 16, 4
+    h, i, v, heads, kv = hidden, hidden * 11 // 4, 32000, 16, 4
     d = h // heads
     g = torch.Generator().manual_seed(0)
 
@@ -65,13 +80,13 @@ def synthetic_llama(layers: int) -> dict[str, Any]:
     return state
 
 
-def write_model(directory: Path, layers: int) -> int:
+def write_model(directory: Path, layers: int, hidden: int = 2048) -> int:
     """Write model.tensors and the 2 rank files; returns the model's bytes."""
     from tensorstream import TensorSerializer
     from tensorstream.engine.parallel.plan import LLAMA_TP_PLAN
     from tensorstream.serialize.sharded import serialize_sharded
 
-    state = synthetic_llama(layers)
+    state = synthetic_llama(layers, hidden)
     with TensorSerializer(directory / "model.tensors") as out:
         out.write_state_dict(state)
     serialize_sharded(
@@ -105,9 +120,8 @@ def worker(rank: int, world: int, uri: str, options: dict[str, Any], max_gap: in
     print(json.dumps({"rank": rank, "bytes": nbytes, "held": held, "s": seconds, "rss": rss}))
 
 
-def run_case(case: str, uri_of: Any, options: dict[str, Any]) -> dict[str, Any]:
+def _run_once(case: str, uri: str, options: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
     world = 1 if case == "tp1" else 2
-    uri = uri_of("model-rank-%03d.tensors" if case == "tp2-rankfiles" else "model.tensors")
     gap = "0" if case.endswith("gap0") else "none"
     started = time.perf_counter()
     procs = [
@@ -134,11 +148,34 @@ def run_case(case: str, uri_of: Any, options: dict[str, Any]) -> dict[str, Any]:
         if p.returncode:
             raise SystemExit(f"{case}: a rank failed (exit {p.returncode})")
         ranks.append(json.loads(out.strip().splitlines()[-1]))
+    return ranks, time.perf_counter() - started
+
+
+def run_case(case: str, uri_of: Any, options: dict[str, Any], repeats: int = 1) -> dict[str, Any]:
+    """Run ``case`` ``repeats`` times; medians, every run's figures, the median run's ranks."""
+    uri = uri_of("model-rank-%03d.tensors" if case == "tp2-rankfiles" else "model.tensors")
+    runs = [_run_once(case, uri, options) for _ in range(repeats)]
+    slowest = [max(r["s"] for r in ranks) for ranks, _ in runs]
+    median = statistics.median(slowest)
+    ranks = runs[min(range(repeats), key=lambda k: abs(slowest[k] - median))][0]
     return {
         "case": case,
+        "repeats": repeats,
         "ranks": ranks,
-        "slowest_rank_s": max(r["s"] for r in ranks),
-        "wall_with_startup_s": time.perf_counter() - started,
+        "slowest_rank_s": median,
+        "slowest_rank_s_runs": slowest,
+        "wall_with_startup_s": statistics.median(wall for _, wall in runs),
+        "rss_ok": all(r["rss"] <= r["held"] + RSS_SLACK for ranks, _ in runs for r in ranks),
+    }
+
+
+def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """``source/case`` -> median slowest-rank seconds relative to the same source's tp1."""
+    tp1 = {r["source"]: r["slowest_rank_s"] for r in rows if r["case"] == "tp1"}
+    return {
+        f"{r['source']}/{r['case']}": round(r["slowest_rank_s"] / tp1[r["source"]], 3)
+        for r in rows
+        if r["case"] != "tp1" and tp1.get(r["source"])
     }
 
 
@@ -148,24 +185,27 @@ def main() -> None:
         worker(int(rank), int(world), uri, json.loads(options), None if gap == "none" else 0)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=6)
-    ap.add_argument("--sources", default="local,http,s3")
+    ap.add_argument("--layers", type=int, default=15, help="15: ~1.5 GiB")
+    ap.add_argument("--hidden", type=int, default=2048, help="smaller for a quick check")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sources", default=",".join(SOURCES))
+    ap.add_argument("--cases", default=",".join(CASES), help="a subset of the cases")
     ap.add_argument("--out", help="keep the model here (default: a temporary directory)")
     args = ap.parse_args()
     directory = Path(args.out or tempfile.mkdtemp(prefix="tp-bench-"))
     directory.mkdir(parents=True, exist_ok=True)
-    total = write_model(directory, args.layers)
-    print(f"model: {total / 1e9:.2f} GB, {args.layers} layers, in {directory}", file=sys.stderr)
+    total = write_model(directory, args.layers, args.hidden)
+    print(f"model: {total / 2**30:.2f} GiB, {args.layers} layers, in {directory}", file=sys.stderr)
     rows = []
     for source in args.sources.split(","):
         server: Any = None
         options: dict[str, Any] = {}
         if source == "local":
             pass
-        elif source == "http":
-            from bench.servers import NginxBenchSource
+        elif source in ("http", "http-slow"):
+            from bench.servers import NginxBenchSource, SlowNginxBenchSource
 
-            server = NginxBenchSource()
+            server = NginxBenchSource() if source == "http" else SlowNginxBenchSource()
             server.start(directory)
         elif source == "s3":
             import boto3
@@ -183,21 +223,30 @@ def main() -> None:
                 region_name=options["region"],
             ).upload_file(str(directory / "tensor-parallel.json"), "bench", "tensor-parallel.json")
         else:
-            raise SystemExit(f"unknown source {source!r}")
+            raise SystemExit(f"unknown source {source!r}; choose from {', '.join(SOURCES)}")
 
         def uri_of(name: str, server: Any = server) -> str:
             return str(directory / name) if server is None else server.locate(directory, name).uri
 
         try:
-            for case in CASES:
-                row = run_case(case, uri_of, options)
+            chosen = [c for c in args.cases.split(",") if c in CASES]
+            for case in [c for c in chosen if source != "http-slow" or c in SLOW_CASES]:
+                row = run_case(case, uri_of, options, args.repeats)
                 row["source"] = source
                 rows.append(row)
                 print(json.dumps(row), file=sys.stderr)
         finally:
             if server is not None:
                 server.stop()
-    print(json.dumps({"model_bytes": total, "cpus": os.cpu_count(), "rows": rows}, indent=1))
+    summary = {
+        "model_bytes": total,
+        "layers": args.layers,
+        "cpus": os.cpu_count(),
+        "load_avg_1m": os.getloadavg()[0],
+        "ratio_to_tp1": _ratios(rows),
+        "rows": rows,
+    }
+    print(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
