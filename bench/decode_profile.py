@@ -72,8 +72,9 @@ def profile_batch(
         started = time.perf_counter()
         engine.step()
         totals.append(time.perf_counter() - started)
-        compared[llama.FAST_LINEARS].append(totals[-1])
-    llama.FAST_LINEARS = True
+        compared[getattr(llama, "FAST_LINEARS", True)].append(totals[-1])
+    if compare:
+        llama.FAST_LINEARS = True
     if profiler is not None:
         profiler.__exit__(None, None, None)
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
