@@ -10,7 +10,10 @@ request. Per case it reports
 * ``load_model``: vLLM's whole model load (build, weights, post-load processing),
   timed around each loader class's ``load_model``;
 * ``load_weights``: the weights part alone where the loader has one (every loader
-  but vLLM's tensorizer, which overrides ``load_model``).
+  but vLLM's tensorizer, which overrides ``load_model``);
+* peak RSS gain: the process's peak resident memory after ``load_weights`` less its
+  resident memory before (the model's parameters are untouched until loaded, so
+  this is the model plus whatever the loader held beside it).
 
 Cases: local safetensors (vLLM's default), local tensorized (vLLM's
 ``tensorizer`` and ours), S3 (SeaweedFS on loopback) with vLLM's
@@ -53,11 +56,14 @@ def _child(case: dict) -> None:
 
         @functools.wraps(original)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            rss = _rss_bytes()
             start = time.perf_counter()
             try:
                 return original(self, *args, **kwargs)
             finally:
                 timings[name] = timings.get(name, 0.0) + time.perf_counter() - start
+                if name == "load_weights":  # the peak reached while loading, over the start
+                    timings["peak_rss_gain_mb"] = max(0, _peak_rss_bytes() - rss) / 1e6
 
         setattr(cls, name, wrapper)
 
@@ -79,6 +85,17 @@ def _child(case: dict) -> None:
     print("RESULT " + json.dumps({**timings, "token": list(out[0].outputs[0].token_ids)}))
     sys.stdout.flush()
     os._exit(0)  # skip vLLM's slow teardown; the figures are out
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _run_case(case: dict, env: dict[str, str], log: Path) -> dict:
@@ -141,6 +158,8 @@ def _cell(rows: list[dict], key: str) -> str:
     if not values:
         errors = [r["error"] for r in rows if "error" in r]
         return f"failed: {errors[0][:80]}" if errors else "-"
+    if key.endswith("_mb"):
+        return f"{statistics.median(values):.0f} MB"
     return f"{statistics.median(values):.2f} s"
 
 
@@ -149,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--only", default=None, help="run the cases whose name holds this text")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -156,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     work = Path(tempfile.mkdtemp(prefix="vllm-loaders-"))
     cases, s3 = _prepare(work)
+    cases = [c for c in cases if not args.only or args.only in c["key"]]
     base_env = dict(os.environ)
     base_env.update(
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -175,10 +196,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{round_}] {case['key']}: {row}", flush=True)
     finally:
         s3.stop()
-    print("\n| case | start -> first answer | load_model | load_weights |")
-    print("|---|---|---|---|")
+    print("\n| case | start -> first answer | load_model | load_weights | peak RSS gain |")
+    print("|---|---|---|---|---|")
+    columns = ("start_to_first_answer", "load_model", "load_weights", "peak_rss_gain_mb")
     for key, rows in results.items():
-        cells = [_cell(rows, k) for k in ("start_to_first_answer", "load_model", "load_weights")]
+        cells = [_cell(rows, k) for k in columns]
         print(f"| {key} | " + " | ".join(cells) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
