@@ -31,8 +31,8 @@ def _ours() -> list[str]:
 
 @pytest.fixture
 def small_spans(monkeypatch):
-    """Several readers and chunks even for a few-MB file, so the span split is tested."""
-    monkeypatch.setattr(prefetch_module, "_MIN_SPAN", 1 << 20)
+    """Several pieces and chunks even for a few-MB file, so the piece split is tested."""
+    monkeypatch.setattr(prefetch_module, "_PIECE", 1 << 20)
     monkeypatch.setattr(prefetch_module, "_CHUNK", 256 << 10)
 
 
@@ -65,8 +65,10 @@ def _load(source, **kwargs):
         return _bytes_of(d)
 
 
-def _fetched(uri: str, readers: int | None = None, **kwargs):
+def _fetched(uri: str, readers: int | None = None, boost: bool = False, **kwargs):
     fetch = Prefetch(uri, readers=readers)
+    if boost:  # all readers at once, before the first piece is read
+        fetch.boost()
     try:
         source = fetch.take()
         assert isinstance(source, ArenaSource)  # really fetched, not the direct path
@@ -91,9 +93,29 @@ def test_fetched_over_s3_and_http_is_bit_identical(
     for uri in (s3_uri, http_url):
         for readers in (1, 3):
             assert _fetched(uri, readers) == direct, (uri, readers)
+        assert _fetched(uri, 4, boost=True) == direct
         assert _fetched(uri, 3, verify_hash=True) == direct
     # A server that ignores Range is read by one reader from the start.
     assert _fetched(http_server.norange_url(served.name), 4) == direct
+    assert _ours() == []
+
+
+def test_encrypted_object_fetched_decrypts_the_same(tensors_file, s3_env, s3_bucket, tmp_path):
+    from tensorstream.crypto.params import DecryptionParams, EncryptionParams
+
+    state = {
+        name: t.clone() for name, t in TensorDeserializer(str(tensors_file), device="cpu").items()
+    }
+    secret = EncryptionParams.random()
+    path = tmp_path / "encrypted.tensors"
+    with TensorSerializer(str(path), encryption=secret) as serializer:
+        serializer.write_state_dict(state)
+    s3_env.client().upload_file(str(path), s3_bucket, "enc/model.tensors")
+    uri = f"s3://{s3_bucket}/enc/model.tensors"
+    key = DecryptionParams.from_key(secret.key)
+    direct = _load(uri, encryption=key, verify_hash=True)
+    assert direct == _load(str(tensors_file))  # decrypts to the plain tensors
+    assert _fetched(uri, 2, encryption=key, verify_hash=True) == direct
     assert _ours() == []
 
 

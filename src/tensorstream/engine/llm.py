@@ -196,6 +196,8 @@ class LLM:
         from tensorstream.engine.native_core import NativeEngineCore
 
         import_seconds = time.perf_counter() - imports_started
+        if prefetch is not None:
+            prefetch.boost()  # the imports no longer compete for the GIL
         self.cpu_threads = apply_threads(cpu_threads)
         self.device = torch.device(device) if device is not None else _default_device()
         if tensor_parallel_size != 1:  # N ranks, each with its slices (engine/parallel/)

@@ -4,9 +4,10 @@
 the fetch first and lets it run beside the import and the model build. This module
 imports neither torch nor the deserializer.
 
-* Remote (``http(s)://``, ``s3://``): parallel ranged reads into a memfd (anonymous
-  shared memory), through the same ``Source`` the deserializer would use (retries,
-  ``If-Match`` on the ETag). :meth:`Prefetch.take` hands back an :class:`ArenaSource`
+* Remote (``http(s)://``, ``s3://``): ranged reads of 32 MiB pieces into a memfd
+  (anonymous shared memory), through the same ``Source`` the deserializer would use
+  (retries, ``If-Match`` on the ETag). One reader runs while the caller imports torch;
+  :meth:`Prefetch.boost` (or :meth:`Prefetch.take`) adds the rest. :meth:`Prefetch.take` hands back an :class:`ArenaSource`
   over it whose ``fileno``/``local_path`` make the deserializer map it as it maps a local
   file: tensors are zero-copy views, and the header checks, ``verify_hash`` and
   decryption run on those very bytes, unchanged.
@@ -27,6 +28,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 from tensorstream.errors import TensorStreamError, TruncatedFileError
 from tensorstream.sources.base import Source, StorageOptions
@@ -37,8 +39,8 @@ logger = logging.getLogger(__name__)
 
 #: Bytes one reader asks for between checks of the cancel flag.
 _CHUNK = 8 << 20
-#: Readers never get spans smaller than this (short objects: one reader).
-_MIN_SPAN = 32 << 20
+#: Bytes per ranged request; readers take the next piece when done with one.
+_PIECE = 32 << 20
 
 
 class ArenaSource(Source):
@@ -89,7 +91,8 @@ class Prefetch:
     Args:
         uri: the file the loader will read (path, ``file://``, ``http(s)://``, ``s3://``).
         storage: credentials and endpoints, as the loader would use them.
-        readers: parallel ranged reads for remote objects; default the source's own.
+        readers: most parallel ranged reads for remote objects, once boosted; default
+            the source's own count.
     """
 
     def __init__(
@@ -101,6 +104,13 @@ class Prefetch:
         self._cancel = threading.Event()
         self._error: BaseException | None = None
         self._source: ArenaSource | None = None
+        self._lock = threading.Lock()
+        self._boosted = False
+        self._work: tuple[Source, mmap.mmap] | None = None
+        self._helpers: list[threading.Thread] = []
+        self._errors: list[BaseException] = []
+        self._pieces: Any = iter(())
+        self._most = 1
         #: Wall time of the background fetch, once it has ended.
         self.fetch_seconds: float | None = None
         self._started = time.perf_counter()
@@ -139,6 +149,7 @@ class Prefetch:
         """
         if self._thread is None:
             return None
+        self.boost()  # nothing else runs while the caller waits
         self._thread.join()
         if isinstance(self._error, TensorStreamError):
             raise self._error
@@ -185,53 +196,75 @@ class Prefetch:
                 raise
 
     def _fill(self, remote: Source, fd: int, size: int) -> None:
-        readers = self._readers or max(1, remote.preferred_readers)
-        if not remote.supports_ranges:
-            readers = 1
-        readers = max(1, min(readers, size // _MIN_SPAN or 1))
-        step = -(-size // readers)
+        """This thread reads pieces until none is left; ``boost`` adds readers."""
+        most = self._readers or max(1, remote.preferred_readers)
+        piece = _PIECE if remote.supports_ranges else size
+        self._pieces = iter([(at, min(size, at + piece)) for at in range(0, size, piece)])
+        self._most = most if remote.supports_ranges else 1
         arena = mmap.mmap(fd, size)
-        errors: list[BaseException] = []
         try:
-            workers = [
-                threading.Thread(
-                    target=self._span,
-                    args=(remote, arena, start, min(size, start + step), errors),
-                    name=f"tensorstream-prefetch-{i}",
-                    daemon=True,
-                )
-                for i, start in enumerate(range(0, size, step))
-            ]
-            for worker in workers:
-                worker.start()
-            for worker in workers:
-                worker.join()
+            with self._lock:
+                self._work = (remote, arena)
+                if self._boosted:
+                    self._add_readers()
+            self._read_pieces(remote, arena)
         finally:
+            with self._lock:
+                self._work = None  # no reader joins from now on
+                helpers = list(self._helpers)
+            for helper in helpers:
+                helper.join()
             try:
                 arena.close()
             except BufferError:  # a view outlived its reader; the GC unmaps it later
                 pass
-        if errors:
-            raise errors[0]
+        if self._errors:
+            raise self._errors[0]
 
-    def _span(
-        self,
-        remote: Source,
-        arena: mmap.mmap,
-        start: int,
-        end: int,
-        errors: list[BaseException],
-    ) -> None:
+    def boost(self) -> None:
+        """Fetch with all readers from now on (the caller's imports are done).
+
+        Until then one reader fetches: more would each take the GIL from the import
+        hundreds of times a second, which slowed ``import torch`` several-fold here.
+        """
+        with self._lock:
+            self._boosted = True
+            if self._work is not None:
+                self._add_readers()
+
+    def _add_readers(self) -> None:
+        """Start the missing readers (caller holds ``_lock``, ``_work`` is set)."""
+        remote, arena = self._work
+        while len(self._helpers) + 1 < self._most:
+            helper = threading.Thread(
+                target=self._read_pieces,
+                args=(remote, arena),
+                name=f"tensorstream-prefetch-{len(self._helpers) + 1}",
+                daemon=True,
+            )
+            self._helpers.append(helper)
+            helper.start()
+
+    def _next_piece(self) -> tuple[int, int] | None:
+        with self._lock:
+            if self._cancel.is_set():
+                return None
+            return next(self._pieces, None)
+
+    def _read_pieces(self, remote: Source, arena: mmap.mmap) -> None:
         try:
-            with memoryview(arena) as whole, remote.open_range(start, end) as reader:
-                pos = start
-                while pos < end and not self._cancel.is_set():
-                    take = min(_CHUNK, end - pos)
-                    with whole[pos : pos + take] as part:
-                        reader.readinto_exact(part)
-                    pos += take
+            with memoryview(arena) as whole:
+                while (piece := self._next_piece()) is not None:
+                    start, end = piece
+                    with remote.open_range(start, end) as reader:
+                        pos = start
+                        while pos < end and not self._cancel.is_set():
+                            take = min(_CHUNK, end - pos)
+                            with whole[pos : pos + take] as part:
+                                reader.readinto_exact(part)
+                            pos += take
         except BaseException as exc:
-            errors.append(exc)
+            self._errors.append(exc)
             self._cancel.set()  # the other readers stop: the load fails anyway
 
 

@@ -173,14 +173,7 @@ class TensorizerLoader(WeightLoader):
 
 #: ``deserialization_kwargs`` that read the file the same way whatever holds its bytes.
 _PREFETCH_SAFE = frozenset(
-    {
-        "verify_hash",
-        "num_readers",
-        "encryption",
-        "dtype",
-        "device",
-        *("plaid_mode", "plaid_mode_buffers"),
-    }
+    {"verify_hash", "num_readers", "encryption", "dtype", "plaid_mode", "plaid_mode_buffers"}
 )
 
 
