@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorstream.engine.models.config import NativeConfig
-from tensorstream.engine.models.rope import RotaryEmbedding, apply_rotary
+from tensorstream.engine.models.rope import RotaryEmbedding, apply_rotary, rotate
 
 __all__ = ["AttentionBatch", "NativeCausalLM"]
 
@@ -217,11 +217,15 @@ def _linear(x: torch.Tensor, layer: nn.Linear, lora: Any, name: str) -> torch.Te
 
 
 def _fused_linear(
-    x: torch.Tensor, fused: FusedLinear, lora: Any, names: tuple[str, ...]
+    x: torch.Tensor, fused: FusedLinear, lora: Any, names: tuple[str, ...], split: bool = True
 ) -> list[torch.Tensor]:
-    """``fused``'s layers applied to ``x`` in one matmul, split back per layer (+ LoRA)."""
+    """``fused``'s layers applied to ``x`` in one matmul, split back per layer (+ LoRA);
+    ``split=False`` (no LoRA) returns the one joint output."""
     if x.shape[:-1].numel() == 1:  # one row runs as two: see _linear
-        return [out[:1] for out in _fused_linear(torch.cat([x, x]), fused, lora, names)]
+        both = _fused_linear(torch.cat([x, x]), fused, lora, names, split)
+        return [out[:1] for out in both]
+    if not split:
+        return [fused(x)]
     outs = list(fused(x).split(fused.sizes, dim=-1))
     if lora is not None:
         outs = [lora.apply(name, x, out) for name, out in zip(names, outs, strict=True)]
@@ -275,19 +279,29 @@ class Attention(nn.Module):
         prefix = f"model.layers.{self.layer}.self_attn."
         names = (prefix + "q_proj", prefix + "k_proj", prefix + "v_proj")
         fused = _fusion(self, "_qkv", (self.q_proj, self.k_proj, self.v_proj))
-        if fused is not None:
-            q, k, v = _fused_linear(x, fused, lora, names)
+        if fused is not None and lora is None and not self.qk_norm:
+            # Queries and keys are adjacent in the fused output: rotate them in one pass.
+            (qkv,) = _fused_linear(x, fused, None, names, split=False)
+            heads = self.heads + self.kv_heads
+            qk = qkv[..., : heads * self.head_dim].view(rows, tokens, heads, self.head_dim)
+            qk = rotate(qk.transpose(1, 2), cos, sin)
+            q, k = qk.split([self.heads, self.kv_heads], dim=1)
+            v = qkv[..., heads * self.head_dim :].view(rows, tokens, -1, self.head_dim)
+            v = v.transpose(1, 2)
         else:
-            q = _linear(x, self.q_proj, lora, names[0])
-            k = _linear(x, self.k_proj, lora, names[1])
-            v = _linear(x, self.v_proj, lora, names[2])
-        q = q.view(rows, tokens, -1, self.head_dim)
-        k = k.view(rows, tokens, -1, self.head_dim)
-        v = v.view(rows, tokens, -1, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rotary(q, k, cos, sin)
+            if fused is not None:
+                q, k, v = _fused_linear(x, fused, lora, names)
+            else:
+                q = _linear(x, self.q_proj, lora, names[0])
+                k = _linear(x, self.k_proj, lora, names[1])
+                v = _linear(x, self.v_proj, lora, names[2])
+            q = q.view(rows, tokens, -1, self.head_dim)
+            k = k.view(rows, tokens, -1, self.head_dim)
+            v = v.view(rows, tokens, -1, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = apply_rotary(q, k, cos, sin)
         if batch is not None and batch.plan is not None:
             out = self._attend_planned(q, k, v, batch)
         else:
