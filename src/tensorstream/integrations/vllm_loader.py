@@ -8,11 +8,13 @@ vLLM's tensorizer loader skips (vLLM #55198).
 
 Weights are read by ``TensorDeserializer`` (parallel ranged readers, local /
 ``http(s)://`` / ``s3://``, hash check, decryption) in vLLM's dtype, onto the
-model's device, and handed to the model's own ``load_weights``, so fused
-``qkv_proj``/``gate_up_proj`` and vLLM's tensor-parallel sharding apply. A file
-written by vLLM's ``tensorize_vllm_model.py`` (its marker tensor present) holds
-vLLM's own parameter names, already sharded per rank: those tensors are copied
-into the parameters of the same name.
+model's device, streamed in batches (:mod:`.vllm_stream`), and handed to the
+model's own ``load_weights``, so fused ``qkv_proj``/``gate_up_proj`` and vLLM's
+tensor-parallel sharding apply. Two kinds of file are already this rank's part and
+are placed without ``load_weights``: one written by vLLM's
+``tensorize_vllm_model.py`` (its marker tensor present; vLLM's own names, copied
+by name) and a rank file of Hugging Face names with its sidecar
+(:mod:`.vllm_shards`).
 """
 
 from __future__ import annotations
@@ -171,8 +173,8 @@ class TensorstreamModelLoader(BaseModelLoader):
 class _Reader:
     """The file's tensors as ``(name, tensor_type, tensor)``, in file order, streamed.
 
-    A local CPU load is one deserializer (page-cache views: nothing to bound). Any
-    other load (remote, or onto a device) reads batches of about ``batch_bytes`` on
+    A local, plain CPU load is one deserializer (page-cache views: nothing to bound).
+    Any other load (remote, hashed, decrypted, or onto a device) reads batches of about ``batch_bytes`` on
     a background thread, each batch its own ``TensorDeserializer`` over a slice of
     the index, so the model is never held twice.
     """
@@ -186,11 +188,13 @@ class _Reader:
         with TensorDeserializer(uri, **{**kwargs, "lazy_load": True}) as index_only:
             index = getattr(index_only, "index", None)
             self.records = list(getattr(index, "records", None) or [])
+            # hashed or decrypted tensors are copies, not views: those are batched too
+            viewed = not kwargs.get("verify_hash") and not getattr(index, "encrypted", False)
         self.vllm_tensorized = any(r.name == VLLM_MARKER for r in self.records)
         self.nbytes = sum(r.data_length for r in self.records)
         whole = (
             not self.records  # a sharded safetensors checkpoint: no single index
-            or (local and kwargs["device"].type == "cpu")
+            or (local and viewed and kwargs["device"].type == "cpu" and kwargs.get("use_mmap"))
             or kwargs.get("lazy_load")
         )
         self.plan = [self.records] if whole else batch_plan(self.records, batch_bytes)
