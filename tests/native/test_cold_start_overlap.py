@@ -207,6 +207,22 @@ def test_llm_from_s3_overlaps_and_matches_local(tmp_path, tiny, s3_env, s3_bucke
     assert _ours() == []
 
 
+def test_prefetch_can_be_turned_off(tmp_path, monkeypatch):
+    from tensorstream.engine.loaders.tensorizer import start_prefetch
+
+    started = start_prefetch({}, str(tmp_path), "cpu")
+    assert started is not None
+    started.close()
+    assert start_prefetch({}, str(tmp_path), "cuda:0") is None  # device loads stage
+    assert (
+        start_prefetch({"deserialization_kwargs": {"lazy_load": True}}, str(tmp_path), "cpu")
+        is None
+    )
+    monkeypatch.setenv("TENSORSTREAM_PREFETCH", "0")
+    assert start_prefetch({}, str(tmp_path), "cpu") is None
+    assert _ours() == []
+
+
 def test_llm_missing_weights_on_s3_leaves_no_thread(tiny, s3_env, s3_bucket):
     from tensorstream.engine import LLM
 

@@ -183,9 +183,11 @@ def start_prefetch(request_extra: Mapping[str, Any], weights_uri: str, device: A
     Needs neither torch nor the deserializer, so ``LLM`` calls it before importing them.
     Options that read the file differently (manifests, lazy loads, filters, shards) and
     device loads (which stream through small staging buffers, not a whole host copy)
-    load as before. Bad options are left for :meth:`TensorizerLoader.load` to report.
+    load as before, as does everything with ``TENSORSTREAM_PREFETCH=0`` (for comparisons,
+    or where CPU is too scarce for the fetch to run beside the import). Bad options are
+    left for :meth:`TensorizerLoader.load` to report.
     """
-    if not _host_target(device):
+    if not _host_target(device) or os.environ.get("TENSORSTREAM_PREFETCH", "1") == "0":
         return None
     try:
         options = TensorizerLoadOptions.from_extra(request_extra)
