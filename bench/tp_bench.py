@@ -23,6 +23,11 @@ client CPU is the bottleneck. ``http-slow`` is nginx with a per-connection
 ``limit_rate`` (16 MiB/s), the way object stores cap each connection: there the
 source is the bottleneck and throughput grows with connections (readers x ranks).
 
+``python -m bench.tp_bench --head-step`` instead times the vocab-parallel head alone
+(SmolLM2 shape: vocab 49152, hidden 576, bf16, one thread per rank, gloo): rank 0's
+replicated ``F.linear`` against broadcast of the picked rows + each rank's slice +
+gather to rank 0, for 2 and 3 ranks and 1 and 8 rows (median of 50 steps per run).
+
 Each case runs ``--repeats`` times; a row holds the medians (and every run's figure)
 plus the ranks of the median run. ``rss_ok`` says whether every rank's RSS stayed
 within its shard (bytes held) + 256 MiB. Prints a JSON object with the rows.
@@ -179,6 +184,85 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
+def _head_rank(rank: int, world: int, rows: int, port: int, out: Any) -> None:
+    """One rank of ``--head-step``: what ``engine/parallel/vocab.py`` does per step."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    vocab, hidden = 49152, 576
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(vocab, hidden, generator=g).to(torch.bfloat16)
+    part = full.chunk(world)[rank].contiguous()
+    picked = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
+    replicated, split = [], []
+    for _ in range(60):
+        dist.barrier()
+        t = time.perf_counter()
+        if rank == 0:
+            F.linear(picked, full)
+        replicated.append(time.perf_counter() - t)
+        dist.barrier()
+        t = time.perf_counter()
+        box = [picked if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        local = F.linear(box[0], part).contiguous()
+        parts = [torch.empty_like(local) for _ in range(world)] if rank == 0 else None
+        dist.gather(local, parts, dst=0)
+        if parts is not None:
+            torch.cat(parts, -1)
+        split.append(time.perf_counter() - t)
+    if rank == 0:
+        out.put((statistics.median(replicated[10:]), statistics.median(split[10:])))
+    dist.destroy_process_group()
+
+
+def head_step(repeats: int) -> list[dict[str, Any]]:
+    """``--head-step``: per-step head time, replicated vs vocab-split (medians of runs)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    rows_out = []
+    for world in (2, 3):
+        for rows in (1, 8):
+            runs = []
+            for _ in range(repeats):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", 0))
+                    port = sock.getsockname()[1]
+                out = ctx.SimpleQueue()
+                procs = [
+                    ctx.Process(target=_head_rank, args=(r, world, rows, port, out))
+                    for r in range(world)
+                ]
+                for proc in procs:
+                    proc.start()
+                for proc in procs:
+                    proc.join()
+                runs.append(out.get())
+            row = {
+                "ranks": world,
+                "rows": rows,
+                "replicated_ms": statistics.median(r[0] for r in runs) * 1e3,
+                "split_ms": statistics.median(r[1] for r in runs) * 1e3,
+            }
+            rows_out.append(row)
+            print(json.dumps(row), file=sys.stderr)
+    return rows_out
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         rank, world, uri, options, gap = sys.argv[2:7]
@@ -191,7 +275,12 @@ def main() -> None:
     ap.add_argument("--sources", default=",".join(SOURCES))
     ap.add_argument("--cases", default=",".join(CASES), help="a subset of the cases")
     ap.add_argument("--out", help="keep the model here (default: a temporary directory)")
+    ap.add_argument("--head-step", action="store_true", help="time the vocab-split head only")
     args = ap.parse_args()
+    if args.head_step:
+        rows = head_step(args.repeats)
+        print(json.dumps({"load_avg_1m": os.getloadavg()[0], "rows": rows}, indent=1))
+        return
     directory = Path(args.out or tempfile.mkdtemp(prefix="tp-bench-"))
     directory.mkdir(parents=True, exist_ok=True)
     total = write_model(directory, args.layers, args.hidden)

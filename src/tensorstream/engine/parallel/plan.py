@@ -6,15 +6,18 @@ along dim 0: one contiguous byte range per rank), o_proj/down_proj are row-paral
 each. Norms are replicated.
 
 ``embed_tokens`` and ``lm_head`` are vocab-parallel (dim 0) when the vocab divides by
-the world size (``vocab.py``): each rank holds ``vocab/N`` rows, the embedding costs
-one all-reduce per forward pass and the head one gather of the logits slices to rank
-0 per step. This halves (N=2) or thirds (N=3) the largest tensors of small models;
-SmolLM2-135M's tied 49152x576 table is 28 % of its bytes. Measured on SmolLM2 (2-core
-machine, gloo, docs/parallel.md): the gather adds well under a millisecond per
-decode step, against a forward pass of tens of milliseconds. A vocab that does not
-divide keeps both replicated (:data:`LLAMA_LAYER_PLAN`), which is also the plan of
-rank files written before the vocab split; their sidecar records it, and
-``weights.py`` follows the sidecar.
+the world size (``vocab.py``): each rank holds ``vocab/N`` rows; the embedding costs
+one all-reduce per forward pass, the head one more step command (the picked hidden
+rows) and one gather of the logits slices to rank 0. What it buys: the vocab tables
+are the largest tensors of small models (SmolLM2-135M's tied 49152x576 table is 21 %
+of its bytes; at N=3 a rank reads 90 MB instead of 127 MB). What it costs, measured
+on the 2-core, loaded CI machine (SmolLM2 shape, bf16, medians of 3): the head step
+goes from 3.7 to 6.1 ms at N=2 and from 4.0 to 7.4 ms at N=3 for one decode row
+(8.3 -> 19.9 ms for 8 rows at N=3, three ranks sharing two cores), against whole
+decode steps of 600-700 ms under the same load, where the two plans were not told
+apart (docs/parallel.md). A vocab that does not divide keeps both replicated
+(:data:`LLAMA_LAYER_PLAN`), which is also the plan of rank files written before the
+vocab split; their sidecar records it, and ``weights.py`` follows the sidecar.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ def run_command(cmd: tuple[Any, ...], model: Any, cache: Any) -> Any:
         ids, positions, batch = cmd[1:]
         return model.hidden_states(ids, positions, dataclasses.replace(batch, cache=cache))
     elif kind == "logits":  # a vocab-parallel head: every rank computes its slice
-        return model.logits(cmd[1])
+        return model.logits(cmd[1].to(model.device))  # unpickled onto rank 0's device
     return None
 
 
