@@ -41,7 +41,7 @@ def profile_batch(
     import torch
 
     from tensorstream.engine import SamplingParams
-    from tensorstream.engine.models import llama
+    from tensorstream.engine.models import packing
 
     engine, model = llm.engine, llm.model
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
@@ -68,13 +68,13 @@ def profile_batch(
     compared: dict[bool, list[float]] = {True: [], False: []}
     for step in range(steps):
         if compare:  # alternate the paths step by step: both see the same machine load
-            llama.FAST_LINEARS = step % 2 == 0
+            packing.FAST_LINEARS = step % 2 == 0
         started = time.perf_counter()
         engine.step()
         totals.append(time.perf_counter() - started)
-        compared[getattr(llama, "FAST_LINEARS", True)].append(totals[-1])
+        compared[getattr(packing, "FAST_LINEARS", True)].append(totals[-1])
     if compare:
-        llama.FAST_LINEARS = True
+        packing.FAST_LINEARS = True
     if profiler is not None:
         profiler.__exit__(None, None, None)
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))

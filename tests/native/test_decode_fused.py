@@ -6,18 +6,18 @@ import pytest
 import torch
 
 from tensorstream.engine import LLM
-from tensorstream.engine.models import llama
+from tensorstream.engine.models import packing
 
 IDS = [1, 504, 3458, 5, 906, 42, 17, 2860, 31, 9]
 
 
 def _logits(model, ids, fast: bool) -> torch.Tensor:
-    llama.FAST_LINEARS = fast
+    packing.FAST_LINEARS = fast
     try:
         with torch.no_grad():
             return model(torch.tensor([ids])).logits
     finally:
-        llama.FAST_LINEARS = True
+        packing.FAST_LINEARS = True
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama", {}), ("qwen2", {})])
@@ -26,15 +26,15 @@ def test_fused_packed_logits_equal_plain_linears(tiny, arch, overrides):
     llm = LLM(str(tiny(arch, **overrides)), device="cpu", dtype="bfloat16")
     model = llm.model
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    fast = _logits(model, IDS, True)
     attn = model.model.layers[0].self_attn
-    fused = attn.__dict__["_qkv"]
-    if llama.pack_enabled(fused.weight):
-        assert fused.packed is not None
+    pointers = [p.data_ptr() for p in model.parameters()]
+    fast = _logits(model, IDS, True)
+    if packing.pack_enabled(attn.q_proj.weight):
+        assert isinstance(attn.__dict__["_qkv"], packing.FusedLinear)
+        assert isinstance(model.lm_head.__dict__["_fast"], packing.FusedLinear)
     assert torch.equal(fast, _logits(model, IDS, False))
-    # Parameters are now views of the fused weight: same names, same values, no copies.
-    assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.weight.data_ptr()
-    assert attn.k_proj.weight.untyped_storage().data_ptr() == fused.weight.data_ptr()
+    # The checkpoint's parameters are untouched: same tensors, names and values.
+    assert [p.data_ptr() for p in model.parameters()] == pointers
     after = model.state_dict()
     assert list(after) == list(before)
     for name, value in before.items():
@@ -63,11 +63,36 @@ def test_weight_written_after_fusing_is_used(tiny):
 def test_pack_switch(monkeypatch):
     weight = torch.zeros(8, 4, dtype=torch.bfloat16)
     monkeypatch.setenv("TENSORSTREAM_PACK_WEIGHTS", "0")
-    assert not llama.pack_enabled(weight)
+    assert not packing.pack_enabled(weight)
     monkeypatch.delenv("TENSORSTREAM_PACK_WEIGHTS")
-    assert not llama.pack_enabled(weight.float())  # only bf16 is packed
-    assert not llama.pack_enabled(weight, model_bytes=8 << 30)  # over the automatic budget
+    assert not packing.pack_enabled(weight.float())  # only bf16 is packed
+    assert not packing.pack_enabled(weight, model_bytes=8 << 30)  # over the automatic budget
     monkeypatch.setenv("TENSORSTREAM_PACK_WEIGHTS", "1")
-    assert llama.pack_enabled(weight, model_bytes=8 << 30) == (
+    assert packing.pack_enabled(weight, model_bytes=8 << 30) == (
         torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
+
+
+def test_packing_is_spread_over_forward_passes(tiny, monkeypatch):
+    """At most PACK_STEP_BYTES (plus one group) are packed per forward: a big model's
+    first token does not wait for all of it; logits stay the plain ones meanwhile."""
+    llm = LLM(str(tiny("llama")), device="cpu", dtype="bfloat16")
+    model = llm.model
+    if not packing.pack_enabled(model.model.layers[0].self_attn.q_proj.weight):
+        pytest.skip("this CPU/torch build has no oneDNN bf16 packing")
+    plain = _logits(model, IDS, False)
+    monkeypatch.setattr(packing, "PACK_STEP_BYTES", 1)  # one group per forward pass
+
+    def packed_groups() -> int:
+        slots = ("_qkv", "_gate_up", "_fast")
+        return sum(
+            isinstance(m.__dict__.get(slot), packing.FusedLinear)
+            for m in model.modules()
+            for slot in slots
+        )
+
+    counts = []
+    for _ in range(4):
+        assert torch.equal(_logits(model, IDS, True), plain)
+        counts.append(packed_groups())
+    assert counts == [1, 2, 3, 4], counts

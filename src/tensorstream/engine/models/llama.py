@@ -10,7 +10,6 @@ engine's own (``engine/kvcache.py``), addressed through an :class:`AttentionBatc
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -19,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tensorstream.engine.models import packing
 from tensorstream.engine.models.config import NativeConfig
+from tensorstream.engine.models.packing import FusedLinear, PackQuota
 from tensorstream.engine.models.rope import RotaryEmbedding, apply_rotary, rotate
 
 __all__ = ["AttentionBatch", "NativeCausalLM"]
@@ -57,125 +58,23 @@ class AttentionBatch:
     decode_slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
-#: Fused/packed matmuls on the inference path; False runs every layer as a plain
-#: ``nn.Linear`` (``bench/decode_profile.py --compare`` alternates the two per step).
-FAST_LINEARS = True
-_PACK_ENV = "TENSORSTREAM_PACK_WEIGHTS"
-_PACK_AUTO_BYTES = 4 << 30  # auto mode packs models up to this many linear-weight bytes
-
-
-def pack_enabled(weight: torch.Tensor, model_bytes: int = 0) -> bool:
-    """Whether ``weight`` gets a prepacked oneDNN copy for inference matmuls.
-
-    Why: torch's plain bf16 ``linear`` on CPU reaches oneDNN too, but re-derives the
-    kernel and reads the weight in its checkpoint layout on every call; a weight reordered
-    once into oneDNN's blocked layout runs measurably faster (``bench/decode_profile.py``)
-    with bit-identical results. The price is a second copy of the linear weights, so the
-    automatic choice packs only models up to 4 GiB of them; ``TENSORSTREAM_PACK_WEIGHTS=1``
-    forces packing, ``=0`` turns it off.
-    """
-    setting = os.environ.get(_PACK_ENV, "").strip().lower()
-    if setting in ("0", "false", "no", "off"):
-        return False
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
-        return False
-    if not (
-        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    ):
-        return False
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return False
-    return setting in ("1", "true", "yes", "on") or model_bytes <= _PACK_AUTO_BYTES
-
-
-class FusedLinear:
-    """Several ``nn.Linear`` layers over the same input as one matmul.
-
-    The layers' weights (and biases) are concatenated along the output dim once, and the
-    layers' parameters are rebound as views into the result, so names, ``state_dict``,
-    LoRA shape checks and in-place weight updates keep working and no memory is
-    duplicated. A prepacked copy is added where :func:`pack_enabled`. :meth:`valid`
-    notices a parameter replaced or written since (pointer and version counter), and
-    callers then build a fresh one.
-
-    Args:
-        layers: linear layers with equal ``in_features`` (one layer: packing only).
-        model_bytes: the model's linear-weight bytes, for :func:`pack_enabled`'s budget.
-    """
-
-    def __init__(self, layers: list[nn.Linear], model_bytes: int = 0) -> None:
-        self.layers = layers
-        self.sizes = [layer.out_features for layer in layers]
-        with torch.no_grad():
-            self.weight = self._fuse([layer.weight for layer in layers])
-            self.bias = None
-            if any(layer.bias is not None for layer in layers):
-                # A layer without bias adds zeros (not a new parameter: names stay the checkpoint's).
-                self.bias = self._fuse(
-                    [
-                        layer.bias if layer.bias is not None else layer.weight.new_zeros(size)
-                        for layer, size in zip(layers, self.sizes, strict=True)
-                    ]
-                )
-        self.packed = None
-        if pack_enabled(self.weight, model_bytes or self.weight.numel() * 2):
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 2)
-            except RuntimeError:  # an unsupported shape or build: the dense matmul serves
-                self.packed = None
-        self.key = self._key()
-
-    @staticmethod
-    def _fuse(params: list[torch.Tensor]) -> torch.Tensor:
-        if len(params) == 1:
-            return params[0].detach()
-        fused = torch.cat([p.detach() for p in params])
-        offset = 0
-        for param in params:
-            size = param.shape[0]
-            if isinstance(param, nn.Parameter):
-                param.data = fused[offset : offset + size]
-            offset += size
-        return fused
-
-    def _key(self) -> tuple:
-        key = []
-        for layer in self.layers:
-            for param in (layer.weight, layer.bias):
-                if param is not None:
-                    key.append((param.data_ptr(), param._version, tuple(param.shape)))
-        return tuple(key)
-
-    def valid(self) -> bool:
-        """False when a layer's weight or bias was replaced or written since fusing."""
-        return self._key() == self.key
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.dtype == self.weight.dtype:
-            flat = x.reshape(-1, x.shape[-1])
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-            return out.view(*x.shape[:-1], out.shape[-1])
-        return F.linear(x, self.weight, self.bias)
-
-
 class Linear(nn.Linear):
     """``nn.Linear`` without random init: its weights always come from the checkpoint.
 
-    Under no-grad it runs through a :class:`FusedLinear` of itself (a prepacked oneDNN
-    weight where :func:`pack_enabled`), so forward hooks (tensor parallelism's
-    all-reduce) still fire around the faster matmul.
+    Under no-grad and bf16 it runs through a prepacked oneDNN copy of its weight once one
+    is built (:func:`packing.packed`), so forward hooks (tensor parallelism's all-reduce) still
+    fire around the faster matmul.
     """
 
     def reset_parameters(self) -> None:
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not FAST_LINEARS or torch.is_grad_enabled():
-            return super().forward(x)
-        fast = self.__dict__.get("_fast")
-        if fast is None or not fast.valid():
-            fast = self.__dict__["_fast"] = FusedLinear([self], self.__dict__.get("_budget", 0))
-        return fast(x)
+        if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+            fast = packing.packed(self, "_fast", (self,), inside_forward=True)
+            if fast is not None:
+                return fast(x)
+        return super().forward(x)
 
 
 class Embedding(nn.Embedding):
@@ -232,19 +131,13 @@ def _fused_linear(
     return outs
 
 
-def _fusion(owner: nn.Module, slot: str, layers: tuple[nn.Linear, ...]) -> FusedLinear | None:
-    """``owner``'s cached :class:`FusedLinear` of ``layers`` (rebuilt when stale), or None
-    where the plain per-layer path must run: autograd, or hooks on a layer (they must fire)."""
-    if (
-        not FAST_LINEARS
-        or torch.is_grad_enabled()
-        or any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
-    ):
+def _fusion(
+    owner: nn.Module, slot: str, layers: tuple[nn.Linear, ...], x: torch.Tensor
+) -> FusedLinear | None:
+    """The packed joint matmul of ``layers`` for input ``x``, or None (plain path)."""
+    if x.dtype != torch.bfloat16 or x.dtype != layers[0].weight.dtype:
         return None
-    fused = owner.__dict__.get(slot)
-    if fused is None or not fused.valid():
-        fused = owner.__dict__[slot] = FusedLinear(list(layers), owner.__dict__.get("_budget", 0))
-    return fused
+    return packing.packed(owner, slot, layers)
 
 
 class Attention(nn.Module):
@@ -278,7 +171,7 @@ class Attention(nn.Module):
         lora = batch.adapters if batch is not None else None
         prefix = f"model.layers.{self.layer}.self_attn."
         names = (prefix + "q_proj", prefix + "k_proj", prefix + "v_proj")
-        fused = _fusion(self, "_qkv", (self.q_proj, self.k_proj, self.v_proj))
+        fused = _fusion(self, "_qkv", (self.q_proj, self.k_proj, self.v_proj), x)
         if fused is not None and lora is None and not self.qk_norm:
             # Queries and keys are adjacent in the fused output: rotate them in one pass.
             (qkv,) = _fused_linear(x, fused, None, names, split=False)
@@ -365,7 +258,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
         p = self.prefix
-        fused = _fusion(self, "_gate_up", (self.gate_proj, self.up_proj))
+        fused = _fusion(self, "_gate_up", (self.gate_proj, self.up_proj), x)
         if fused is not None:
             gate, up = _fused_linear(x, fused, lora, (p + "gate_proj", p + "up_proj"))
         else:
@@ -458,15 +351,18 @@ class NativeCausalLM(nn.Module):
         return self.model.norm(x)
 
     def _set_pack_budget(self) -> None:
-        """Tell the layers the model's linear-weight bytes (``pack_enabled``'s budget), once."""
-        if self.__dict__.get("_budget_set"):
-            return
-        linears = [m for m in self.modules() if isinstance(m, nn.Linear)]
-        total = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, Attention, MLP)):
-                module.__dict__["_budget"] = total
-        self.__dict__["_budget_set"] = True
+        """Tell the layers the model's linear-weight bytes (``pack_enabled``'s budget) and
+        share one :class:`PackQuota` with them (once); refill it for this forward pass."""
+        quota = self.__dict__.get("_quota")
+        if quota is None:
+            quota = self.__dict__["_quota"] = PackQuota()
+            linears = [m for m in self.modules() if isinstance(m, nn.Linear)]
+            total = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+            for module in self.modules():
+                if isinstance(module, (nn.Linear, Attention, MLP)):
+                    module.__dict__["_budget"] = total
+                    module.__dict__["_quota"] = quota
+        quota.left = packing.PACK_STEP_BYTES
 
     def logits(self, hidden: torch.Tensor, adapters: Any = None) -> torch.Tensor:
         """LM-head logits of ``hidden`` (contiguous, so CPU bf16 matmul takes its fast path)."""
