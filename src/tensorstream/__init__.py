@@ -11,7 +11,7 @@ load on first use too, so ``import tensorstream`` does not import torch: ``LLM(.
 starts fetching weights before torch's import (seconds) is paid.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tensorstream.formats.tensorizer import (
     TENSOR_TYPE_BUFFER,
@@ -19,6 +19,7 @@ from tensorstream.formats.tensorizer import (
     TENSOR_TYPE_STATE_DICT,
 )
 from tensorstream.sources.base import StorageOptions
+from tensorstream.utils.lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -59,19 +60,7 @@ if TYPE_CHECKING:
     from tensorstream.serialize.writer import TensorSerializer
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tensorstream' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [

@@ -7,7 +7,9 @@ package does not import transformers, nor torch: the names load on first use, so
 ``LLM(...)`` can start fetching weights before torch's import (engine/prefetch.py).
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from tensorstream.utils.lazy import lazy_attributes
 
 # name -> module that defines it, imported on first access (PEP 562).
 _LAZY = {
@@ -31,19 +33,7 @@ if TYPE_CHECKING:
     from tensorstream.engine.sampling import SamplingParams
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'tensorstream.engine' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 
 
 __all__ = [

@@ -30,8 +30,9 @@ import threading
 import time
 from typing import Any
 
-from tensorstream.errors import TensorStreamError, TruncatedFileError
+from tensorstream.errors import TensorStreamError
 from tensorstream.sources.base import Source, StorageOptions
+from tensorstream.sources.local import pread_exact
 
 __all__ = ["ArenaSource", "Prefetch", "populate"]
 
@@ -69,15 +70,7 @@ class ArenaSource(Source):
         return self._fd
 
     def read_into(self, offset: int, buf: memoryview) -> None:
-        done = 0
-        while done < len(buf):
-            n = os.preadv(self._fd, [buf[done:]], offset + done)
-            if n == 0:
-                raise TruncatedFileError(
-                    f"{self.display_uri} ends at byte {offset + done}, expected "
-                    f"{len(buf) - done} more bytes; the object is truncated"
-                )
-            done += n
+        pread_exact(self._fd, offset, buf, self.display_uri)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -28,7 +28,7 @@ from tensorstream.sources.base import Sink, Source, StorageOptions
 from tensorstream.sources.fileobj import write_error
 from tensorstream.sources.uri import ParsedURI
 
-__all__ = ["LocalSink", "LocalSource", "remove_stale_partials"]
+__all__ = ["LocalSink", "LocalSource", "pread_exact", "remove_stale_partials"]
 
 _log = logging.getLogger("tensorstream.sources")
 
@@ -66,6 +66,31 @@ def _open_error(path: str, exc: OSError, verb: str) -> SourceError:
     return SourceError(f"cannot open {path} for {verb}: {exc}")
 
 
+def pread_exact(fd: int, offset: int, buf: memoryview, display: str) -> None:
+    """Fill ``buf`` from ``fd`` at ``offset`` (``preadv`` until done).
+
+    Raises:
+        SourceError: the read failed (EIO, ESTALE...), naming ``display`` and the offset.
+        TruncatedFileError: the file ends before ``buf`` is full.
+    """
+    want = len(buf)
+    done = 0
+    while done < want:
+        try:
+            n = os.preadv(fd, [buf[done:]], offset + done)
+        except OSError as exc:  # EIO from a failing disk, ESTALE on NFS...
+            raise SourceError(
+                f"reading {want} bytes at offset {offset + done} of {display} failed: "
+                f"{exc.strerror or exc}; check the disk or mount"
+            ) from exc
+        if n == 0:
+            raise TruncatedFileError(
+                f"{display} ends at byte {offset + done}, expected {want - done} more "
+                f"bytes (a read of {want} at offset {offset}); the file is truncated"
+            )
+        done += n
+
+
 class LocalSource(Source):
     """A local file read with ``pread``; many readers share one descriptor."""
 
@@ -100,22 +125,7 @@ class LocalSource(Source):
         return self._fd
 
     def read_into(self, offset: int, buf: memoryview) -> None:
-        want = len(buf)
-        done = 0
-        while done < want:
-            try:
-                n = os.preadv(self._fd, [buf[done:]], offset + done)
-            except OSError as exc:  # EIO from a failing disk, ESTALE on NFS...
-                raise SourceError(
-                    f"reading {want} bytes at offset {offset + done} of {self._path} failed: "
-                    f"{exc.strerror or exc}; check the disk or mount"
-                ) from exc
-            if n == 0:
-                raise TruncatedFileError(
-                    f"{self._path} ends at byte {offset + done}, expected {want - done} more "
-                    f"bytes (a read of {want} at offset {offset}); the file is truncated"
-                )
-            done += n
+        pread_exact(self._fd, offset, buf, self._path)
 
     def close(self) -> None:
         if self._fd >= 0:
