@@ -276,6 +276,10 @@ class LLM:
                 )
         finally:
             weights.close()
+        if weights.fetch_seconds is not None:
+            # The bytes came in through the fetch started before torch's import: its wall
+            # time is the read's (the load itself only checked and viewed them).
+            read_seconds = max(read_seconds, weights.fetch_seconds)
         self.load_stats = LoadStats(
             self.load_format,
             weights.uri,

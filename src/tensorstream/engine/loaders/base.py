@@ -51,6 +51,8 @@ class LoadedWeights(Mapping[str, "torch.Tensor"]):
         nbytes: bytes of tensor data the tensors hold.
         mapped_bytes: of those, bytes that are views of a file mapping (not read yet:
             the page cache is read when the model first touches them).
+        fetch_seconds: when the bytes were fetched into memory before the load began
+            (``engine/prefetch.py``), that fetch's wall time: the read happened there.
     """
 
     def __init__(
@@ -61,11 +63,13 @@ class LoadedWeights(Mapping[str, "torch.Tensor"]):
         nbytes: int,
         closer: Any = None,
         mapped_bytes: int = 0,
+        fetch_seconds: float | None = None,
     ):
         self._tensors = tensors
         self.uri = uri
         self.nbytes = nbytes
         self.mapped_bytes = mapped_bytes
+        self.fetch_seconds = fetch_seconds
         self._closer = closer
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -163,6 +163,12 @@ class TensorizerLoader(WeightLoader):
             closer.close()
             raise
         nbytes = sum(t.nbytes for t in tensors.values())
+        if fetched is not None:
+            # Views of the fetched copy in memory: every byte was read from storage (by the
+            # fetch), none is left in a page cache for first use.
+            return LoadedWeights(
+                tensors, uri=uri, nbytes=nbytes, closer=closer, fetch_seconds=prefetch.fetch_seconds
+            )
         mapped = _mapped_bytes(deserializer, tensors)
         if mapped:
             from tensorstream.engine.prefetch import populate
