@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from tensorstream.deserialize.arena import huge_pages_available
+
 __all__ = ["batch_plan", "prefault", "stream_batches"]
 
 log = logging.getLogger(__name__)
@@ -73,9 +75,11 @@ def _regions(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
 def prefault(tensors: Iterable[torch.Tensor], threads: int | None = None) -> int:
     """Map the pages of ``tensors`` (vLLM's new, untouched parameters) ahead of the copies.
 
-    Contents are unchanged (``MADV_POPULATE_WRITE`` only faults pages in); whole
-    2 MiB pages inside a tensor are first advised as huge pages. A speed-up only:
-    on other systems, or kernels without these advices, it does nothing.
+    Contents are unchanged (``MADV_POPULATE_WRITE`` only faults pages in). With
+    ``TENSORSTREAM_HUGE_PAGES=1`` (the arenas' switch: huge pages filled slower on the
+    VMs measured, ``docs/benchmarks.md``) whole 2 MiB pages inside a tensor are first
+    advised as huge pages. A speed-up only: on other systems, or kernels without these
+    advices, it does nothing.
 
     Returns:
         Bytes populated.
@@ -84,7 +88,7 @@ def prefault(tensors: Iterable[torch.Tensor], threads: int | None = None) -> int
     if libc is None:
         return 0
     regions = _regions(tensors)
-    for start, end in regions:
+    for start, end in regions if huge_pages_available() else ():
         hstart, hend = -(-start // _HUGE) * _HUGE, end // _HUGE * _HUGE
         if hend > hstart:
             libc.madvise(hstart, hend - hstart, _MADV_HUGEPAGE)  # refusal: 4 KiB pages
