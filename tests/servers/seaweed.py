@@ -122,7 +122,9 @@ class S3Server:
         """
         weed = find_weed()
         access_key = "ts" + secrets.token_hex(8)
-        secret_key = secrets.token_urlsafe(30)
+        # Never a leading "-": tests pass the secret as its own CLI argument, which
+        # argparse would take for an option (one CI run in 64 failed that way).
+        secret_key = "s" + secrets.token_urlsafe(30)
         errors: list[str] = []
         for attempt in range(attempts):
             run_dir = workdir / f"run{attempt}"
