@@ -109,6 +109,14 @@ def _local_cases() -> None:
     for n in (1, 2, 4):
         register(Case(f"tensorstream-r{n}", "tensorstream", "load", "tensorstream_load", "tensorstream",
                       params={"num_readers": n}, fallback_fmt="tensorizer"))  # fmt: skip
+    # Issue #12: TENSORSTREAM_COLD_READ=map is the behaviour before the page-cache probe
+    # (views whatever the cache holds), to compare with in the same run.
+    for n in (1, 4):
+        register(Case(f"tensorstream-r{n}-map", "tensorstream", "load", "tensorstream_load",
+                      "tensorstream", params={"num_readers": n,
+                                              "env": {"TENSORSTREAM_COLD_READ": "map"}},
+                      caches=("cold",), fallback_fmt="tensorizer",
+                      note="TENSORSTREAM_COLD_READ=map: views even when the file is not cached"))  # fmt: skip
     register(Case("tensorstream-r4-verify", "tensorstream", "load", "tensorstream_load",
                   "tensorstream", params={"num_readers": 4, "verify_hash": True},
                   fallback_fmt="tensorizer"))  # fmt: skip
@@ -119,11 +127,15 @@ def _local_cases() -> None:
     for n in (2, 4):
         register(Case(f"tensorstream-r{n}-tzfile", "tensorstream", "load", "tensorstream_load",
                       "tensorizer", params={"num_readers": n},
-                      note="tensorizer's file: unaligned tensors copied into huge-page arenas"))  # fmt: skip
+                      note="tensorizer's file: unaligned tensors copied into arenas"))  # fmt: skip
     register(Case("tensorstream-r4-tzfile-noarena", "tensorstream", "load", "tensorstream_load",
                   "tensorizer", params={"num_readers": 4, "env": {"TENSORSTREAM_ARENA": "0"}},
                   caches=("warm",),
                   note="the same with TENSORSTREAM_ARENA=0 (torch.empty per tensor)"))  # fmt: skip
+    register(Case("tensorstream-r4-tzfile-map", "tensorstream", "load", "tensorstream_load",
+                  "tensorizer", params={"num_readers": 4, "env": {"TENSORSTREAM_COLD_READ": "map"}},
+                  caches=("cold",),
+                  note="tensorizer's file, TENSORSTREAM_COLD_READ=map: views even when cold"))  # fmt: skip
     register(Case("tensorstream-r4-verify-tzfile", "tensorstream", "load", "tensorstream_load",
                   "tensorizer", params={"num_readers": 4, "verify_hash": True},
                   note="verify_hash=True on tensorizer's file: the same work as tensorizer's"))  # fmt: skip

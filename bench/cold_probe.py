@@ -12,6 +12,8 @@ process, interleaved, and prints the median GB/s of getting every byte into memo
   touched before timing (the ``readinto-touched`` reference);
 * ``pread-8m-fresh-t{1,2,4}``: 8 MiB pieces into a fresh arena on 1/2/4 threads (how
   unaligned tensors, verified and remote loads read);
+* ``pread-8m-fresh-t4-fds``: 4 threads, each with its own descriptor (and so its own
+  read-ahead state) instead of one shared descriptor;
 * ``pread-8m-fresh-seq``: the same, one thread, after ``posix_fadvise(SEQUENTIAL)``;
 * ``odirect-8m-fresh-t{1,2}``: ``O_DIRECT`` reads, bypassing the page cache, into the arena.
 """
@@ -37,6 +39,7 @@ VARIANTS = (
     "pread-8m-fresh-t1",
     "pread-8m-fresh-t2",
     "pread-8m-fresh-t4",
+    "pread-8m-fresh-t4-fds",
     "pread-8m-fresh-seq",
     "odirect-8m-fresh-t1",
     "odirect-8m-fresh-t2",
@@ -57,6 +60,9 @@ def _child(variant: str, path: str) -> float:
 
     size = os.path.getsize(path) // (1 << 20) * (1 << 20)  # whole MiB: O_DIRECT needs it
     piece = {"1m": 1 << 20, "32m": 32 << 20}.get(variant.split("-")[1], 8 << 20)
+    own_fds = variant.endswith("-fds")
+    if own_fds:
+        variant = variant.removesuffix("-fds")
     threads = int(variant.rsplit("-t", 1)[1]) if "-t" in variant[-3:] else 1
     arena = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     dest = memoryview(arena)
@@ -88,11 +94,20 @@ def _child(variant: str, path: str) -> float:
             os.posix_fadvise(fd, 0, size, os.POSIX_FADV_SEQUENTIAL)
         starts = list(range(0, size, piece))
 
-        def read(start: int) -> None:
+        def read(start: int, f: int = fd) -> None:
             n = min(piece, size - start)
             done = 0
             while done < n:
-                done += os.preadv(fd, [dest[start + done : start + n]], start + done)
+                done += os.preadv(f, [dest[start + done : start + n]], start + done)
+
+        def share_of(k: int) -> None:
+            f = os.open(path, flags) if own_fds else fd
+            try:
+                for s in starts[k * share : (k + 1) * share]:
+                    read(s, f)
+            finally:
+                if own_fds:
+                    os.close(f)
 
         if threads == 1:
             for s in starts:
@@ -101,12 +116,7 @@ def _child(variant: str, path: str) -> float:
             # contiguous shares per thread, as the loaders' planned ranges are
             share = -(-len(starts) // threads)
             with ThreadPoolExecutor(threads) as pool:
-                list(
-                    pool.map(
-                        lambda k: [read(s) for s in starts[k * share : (k + 1) * share]],
-                        range(threads),
-                    )
-                )
+                list(pool.map(share_of, range(threads)))
     return size / (time.perf_counter() - t0) / 1e9
 
 

@@ -6,6 +6,7 @@ Both take their inputs explicitly and report each finished tensor to a
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from tensorstream.deserialize.arena import ArenaAllocator
+from tensorstream.deserialize.coldread import read_instead_of_map
 from tensorstream.deserialize.fetch import Completion, run_readers
 from tensorstream.deserialize.index import TensorRecord
 from tensorstream.deserialize.pipeline import RecordPipeline
@@ -32,6 +34,9 @@ __all__ = ["load_cpu", "load_staged"]
 
 #: Staged pieces are whole 2 MiB encryption chunks, so they can be decrypted alone.
 _QUANTUM = 2 << 20
+
+log = logging.getLogger("tensorstream")
+
 
 _POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
@@ -60,6 +65,10 @@ def load_cpu(
     With ``verify``, every tensor is read into arena memory and the hash is checked
     on that copy, so what the caller gets is exactly what was verified: a later
     rewrite or truncation of the file cannot change (or SIGBUS) the tensors.
+
+    Without it, a file mostly absent from the page cache is read into arena memory by
+    the ``readers`` too, rather than viewed (``coldread``): the disk reads then run on
+    the reader threads instead of faulting in on the caller's first touch.
     """
     alloc = ArenaAllocator()
     try:
@@ -68,9 +77,20 @@ def load_cpu(
             return
         if verify:
             fmap = None  # copies, not views: the verified bytes must be the returned ones
+        elif fmap is not None and _cold(source, records, fmap, readers):
+            fmap = None
         _load_cpu(source, records, readers, pipeline, fmap, verify, progress, alloc)
     finally:
         alloc.close()
+
+
+def _cold(source: Source, records: Sequence[TensorRecord], fmap: FileMap, readers: int) -> bool:
+    viewable = [r for r in records if not r.is_meta and r.data_length and fmap.can_view(r)]
+    if not viewable:
+        return False
+    fd = getattr(source, "fileno", None)
+    fd = fd if isinstance(fd, int) else None
+    return read_instead_of_map(fd, viewable, source.display_uri, readers, fmap.mapping)
 
 
 def _load_cpu(
@@ -99,6 +119,13 @@ def _load_cpu(
             dests.append(alloc.empty(r.dtype, r.shape))
         headers.append(bytearray(r.header_size) if r.header_size and fmap is None else None)
     data_views = [byte_view(d) if d is not None else None for d in dests]
+    log.debug(
+        "%s: %d bytes viewed in place, %d read into arenas by up to %d readers",
+        source.display_uri,
+        sum(r.data_length for i, r in enumerate(records) if i in views),
+        sum(r.data_length for i, r in enumerate(records) if dests[i] is not None),
+        readers,
+    )
 
     def route(seg: Segment) -> memoryview | None:
         if seg.part == "header":

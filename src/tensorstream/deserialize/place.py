@@ -54,6 +54,11 @@ class FileMap:
         self._viewed_lock = threading.Lock()
 
     @property
+    def mapping(self) -> mmap.mmap:
+        """The mapping itself (for ``mincore``: page-cache residency of its pages)."""
+        return self._map
+
+    @property
     def viewed_bytes(self) -> int:
         """Bytes handed out as views of the mapping (not read: the page cache is shared)."""
         return self._viewed
@@ -84,10 +89,17 @@ class FileMap:
     def prefetch(self, offset: int, length: int) -> None:
         """Start reading the range into the page cache without waiting (MADV_WILLNEED).
 
-        Measured here: faulting pages in ahead (MADV_POPULATE_READ) cost 56 ms per
-        265 MB of warm cache and saved nothing later, because first access maps pages
-        cheaply in batches. Asking for read-ahead keeps cold loads parallel and costs
-        nothing when the file is cached.
+        Costs nothing when the file is cached and keeps a mapped load of a cold file
+        parallel. Populating the views instead (``MADV_POPULATE_READ`` in 8 MiB pieces
+        on the reader threads, so the caller's first touch finds the pages mapped) was
+        measured for issue #12 (docs/benchmarks.md, 1 GiB, warm, load + touch, medians
+        of 3 per run): on our own file, every tensor a view, 6.19 / 5.93 GB/s against
+        15.88 / 12.67 with this hint (the load took 0.115 s instead of 0.02 and the
+        touch pass 0.05 s either way: first access maps this file's large folios
+        cheaply); on tensorizer's file, where the readers copy the unaligned half
+        anyway, 2.15 / 2.31 / 2.29 against 2.08 / 2.00 / 2.26 in three runs, every
+        range overlapping, and 44-103 MiB more peak RSS. An earlier single-thread try
+        saved nothing either (56 ms per 265 MB). So no populating: this hint only.
         """
         if length <= 0:
             return

@@ -82,7 +82,10 @@ class TensorDeserializer(Mapping[Any, Any]):
         encryption: ``DecryptionParams`` for encrypted files.
         storage: credentials and endpoints for remote sources.
         use_mmap: for CPU loads of local files, view the page cache instead of copying
-            (default ``True``). Set ``False`` to get independent memory.
+            (default ``True``) when the file is mostly in the page cache; a file that is
+            not is read into fresh memory by the parallel readers (``mapped_bytes`` says
+            which; ``TENSORSTREAM_COLD_READ=map|read`` forces either, see
+            ``deserialize/coldread.py``). Set ``False`` to always get independent memory.
         progress: draw a progress bar with bytes and GB/s.
         manifest: the authenticated manifest of an encrypted file (see
             ``tensorstream.crypto.manifest``). ``None`` (default): use
