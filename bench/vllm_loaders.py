@@ -25,6 +25,11 @@ random Llama-shaped checkpoint (:mod:`bench.checkpoint`, ``--size-mib``, default
 1536) with SmolLM2's vocabulary, so that SmolLM2's tokenizer files serve it; head
 size 64, which vLLM-CPU's attention supports. Its directory (config, tokenizer,
 ``model.safetensors``) is cached under ``.bench/`` beside the checkpoint.
+
+Every case starts from a warm page cache (its files are read first). On a shared
+machine, ``--wait-quiet LOAD`` waits before each case for a load average under LOAD
+and no other benchmark or test run, and runs a case again when one started meanwhile;
+each row records the load average at its start.
 """
 
 from __future__ import annotations
@@ -153,19 +158,33 @@ def _wait_quiet(max_load: float) -> None:
         time.sleep(15)
 
 
-def _run_case(case: dict, env: dict[str, str], log: Path) -> dict:
+def _run_case(case: dict, env: dict[str, str], log: Path, watch: bool = False) -> dict:
+    """One fresh vLLM process for ``case``; with ``watch``, the row lists any other
+    benchmark or test run seen on the machine while it ran (``others``)."""
     cmd = [sys.executable, "-m", "bench.vllm_loaders", "--child", json.dumps(case)]
+    seen: set[str] = set()
     start = time.perf_counter()
-    with open(log, "w") as out:
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=out, text=True)
-    seconds = time.perf_counter() - start
-    with open(log, "a") as out:  # vLLM logs to stdout
-        out.write(proc.stdout)
-    for line in proc.stdout.splitlines():
+    with open(log, "w") as err, tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, text=True)
+        while True:
+            try:
+                proc.wait(timeout=1)  # returns at the exit, so the timing stays exact
+                break
+            except subprocess.TimeoutExpired:
+                if watch:
+                    seen.update(_others())
+        seconds = time.perf_counter() - start
+        out.seek(0)
+        stdout = out.read()
+    with open(log, "a") as f:  # vLLM logs to stdout
+        f.write(stdout)
+    row: dict[str, Any] = {"others": sorted(seen)} if seen else {}
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
-            return {"start_to_first_answer": seconds, **json.loads(line[7:])}
+            return {"start_to_first_answer": seconds, **json.loads(line[7:]), **row}
     tail = [ln for ln in log.read_text(errors="replace").splitlines() if "Error" in ln]
-    return {"error": (tail[-1] if tail else f"exit {proc.returncode}")[:300], "log": str(log)}
+    error = (tail[-1] if tail else f"exit {proc.returncode}")[:300]
+    return {"error": error, "log": str(log), **row}
 
 
 def synthetic_model(size_mib: int, cache_dir: Path = REPO / ".bench") -> Path:
@@ -304,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         metavar="LOAD",
-        help="before each case, wait for a load average under LOAD and no other bench/pytest",
+        help="before each case, wait for a load average under LOAD and no other bench/pytest; "
+        "run a case again (at most 3 times) when another one started while it ran",
     )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -327,13 +347,16 @@ def main(argv: list[str] | None = None) -> int:
             for i, case in enumerate(cases):
                 env = {**base_env, **case["env"]}
                 child = {k: case[k] for k in ("model", "load_format", "extra")}
-                if args.wait_quiet:
-                    _wait_quiet(args.wait_quiet)
-                _warm(case["warm"])
-                load = os.getloadavg()[0]
-                row = {**_run_case(child, env, work / f"case{i}-{round_}.log"), "load_1m": load}
-                if args.wait_quiet and _others():  # one started meanwhile: say so
-                    row["others_after"] = _others()
+                for _attempt in range(3):  # with --wait-quiet: again if another run came
+                    if args.wait_quiet:
+                        _wait_quiet(args.wait_quiet)
+                    _warm(case["warm"])
+                    load = os.getloadavg()[0]
+                    log = work / f"case{i}-{round_}.log"
+                    row = {**_run_case(child, env, log, bool(args.wait_quiet)), "load_1m": load}
+                    if "others" not in row:
+                        break
+                    print(f"[{round_}] {case['key']}: not quiet, again: {row}", flush=True)
                 results[case["key"]].append(row)
                 print(f"[{round_}] {case['key']}: {row}", flush=True)
     finally:

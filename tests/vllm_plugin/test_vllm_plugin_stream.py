@@ -14,7 +14,12 @@ from torch import nn
 from tensorstream.errors import ConfigError, FormatError, SourceError
 from tensorstream.integrations.vllm_options import checked_deserializer_kwargs
 from tensorstream.integrations.vllm_shards import copy_rank_slices
-from tensorstream.integrations.vllm_stream import batch_plan, prefault, stream_batches
+from tensorstream.integrations.vllm_stream import (
+    batch_bytes_for,
+    batch_plan,
+    prefault,
+    stream_batches,
+)
 
 
 def _records(*sizes: int) -> list[SimpleNamespace]:
@@ -25,6 +30,14 @@ def test_batch_plan_cuts_by_bytes_and_keeps_large_tensors_whole():
     plan = batch_plan(_records(10, 10, 10, 50, 5, 5), batch_bytes=25)
     assert [[r.key for r in b] for b in plan] == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
     assert batch_plan([], 25) == []
+
+
+def test_batch_size_grows_with_the_file_within_bounds():
+    mib = 1 << 20
+    assert batch_bytes_for(269_000_000) == 32 * mib  # SmolLM2: batches as small as before
+    assert batch_bytes_for(1_636_000_000) == 1_636_000_000 // 16  # the 1.5 GiB Llama: ~98 MiB
+    assert batch_bytes_for(16 << 30) == 128 * mib
+    assert batch_bytes_for(0) == 32 * mib
 
 
 def test_stream_batches_reads_ahead_but_holds_few_batches():

@@ -38,7 +38,12 @@ from tensorstream.integrations.vllm_options import (
     first_existing,
     weights_candidates,
 )
-from tensorstream.integrations.vllm_stream import batch_plan, prefault, stream_batches
+from tensorstream.integrations.vllm_stream import (
+    batch_bytes_for,
+    batch_plan,
+    prefault,
+    stream_batches,
+)
 
 __all__ = ["TensorstreamModelLoader"]
 
@@ -179,7 +184,7 @@ class _Reader:
     the index, so the model is never held twice.
     """
 
-    def __init__(self, uri: str, kwargs: dict[str, Any], batch_bytes: int) -> None:
+    def __init__(self, uri: str, kwargs: dict[str, Any], batch_bytes: int | None) -> None:
         from tensorstream import TensorDeserializer
 
         self.uri, self.kwargs = uri, kwargs
@@ -197,7 +202,8 @@ class _Reader:
             or (local and viewed and kwargs["device"].type == "cpu" and kwargs.get("use_mmap"))
             or kwargs.get("lazy_load")
         )
-        self.plan = [self.records] if whole else batch_plan(self.records, batch_bytes)
+        size = batch_bytes or batch_bytes_for(self.nbytes)
+        self.plan = [self.records] if whole else batch_plan(self.records, size)
         self.batches = len(self.plan)
 
     def _read(self, batch: list) -> list[tuple[str, int, torch.Tensor]]:

@@ -101,7 +101,8 @@ class VllmLoadOptions:
         storage: ``StorageOptions`` from the ``s3_*`` keys and ``stream_kwargs``.
         deserialization_kwargs: extra ``TensorDeserializer`` keyword arguments.
         batch_bytes: a remote load is read in batches of about this size while the
-            previous batch goes into the model (bounds the extra host memory).
+            previous batch goes into the model (bounds the extra host memory); None:
+            1/16 of the file, 32-128 MiB (``vllm_stream.batch_bytes_for``).
     """
 
     tensorizer_uri: str | None = None
@@ -111,7 +112,7 @@ class VllmLoadOptions:
     encryption_keyfile: str | None = None
     storage: Any = None
     deserialization_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    batch_bytes: int = 32 << 20
+    batch_bytes: int | None = None
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> VllmLoadOptions:

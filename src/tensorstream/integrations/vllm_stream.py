@@ -30,7 +30,7 @@ import torch
 
 from tensorstream.deserialize.arena import huge_pages_available
 
-__all__ = ["batch_plan", "prefault", "stream_batches"]
+__all__ = ["batch_bytes_for", "batch_plan", "prefault", "stream_batches"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,9 @@ _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _PAGE = 4096
 _HUGE = 2 << 20
 _DONE = object()
+#: Remote batches: about 1/16 of the file, within these bounds.
+BATCH_MIN = 32 << 20
+BATCH_MAX = 128 << 20
 
 
 def _libc() -> Any:
@@ -104,6 +107,18 @@ def prefault(tensors: Iterable[torch.Tensor], threads: int | None = None) -> int
         return 0
     with ThreadPoolExecutor(workers, thread_name_prefix="tensorstream-prefault") as pool:
         return (regions[0][1] - regions[0][0]) + sum(pool.map(populate, regions[1:]))
+
+
+def batch_bytes_for(total: int) -> int:
+    """The batch size for a remote load of ``total`` bytes: ``total / 16`` within
+    ``BATCH_MIN``..``BATCH_MAX``.
+
+    Each batch is its own deserializer (index, requests, fresh buffers), about 50 ms
+    of fixed cost from SeaweedFS on loopback: a 1.6 GB file read in 32 MiB batches
+    took 4.0-4.7 s against 1.8-2.0 s whole, 2.5-3.0 s in 128 MiB batches. Small
+    models keep 32 MiB batches, so little is held beside them.
+    """
+    return max(BATCH_MIN, min(BATCH_MAX, total // 16))
 
 
 def batch_plan(records: Sequence[Any], batch_bytes: int) -> list[list[Any]]:
