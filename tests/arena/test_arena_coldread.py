@@ -18,7 +18,11 @@ import torch
 from _arena_util import assert_same, write_ours, write_theirs
 
 from tensorstream import TensorDeserializer
-from tensorstream.deserialize.coldread import probe_offsets, read_instead_of_map
+from tensorstream.deserialize.coldread import (
+    loads_by_reading,
+    probe_offsets,
+    read_instead_of_map,
+)
 from tensorstream.deserialize.index import read_index
 from tensorstream.sources.registry import open_source
 
@@ -208,3 +212,32 @@ def test_both_probes_see_a_warm_file_and_mincore_a_cold_one(tmp_path, state, mon
             assert coldread.resident(src.fileno, offsets, m) == (0, 16)
         finally:
             m.close()
+
+
+def _records(path):
+    with open_source(str(path)) as source:
+        return list(read_index(source).records)
+
+
+def test_loads_by_reading_answers_as_the_load_will(path, monkeypatch):
+    """What the vLLM plugin asks before loading a whole local file at once: a cold file
+    would be read into fresh memory (so it loads in batches), a cached one viewed."""
+    records = _records(path)
+    _warm(path)
+    assert not loads_by_reading(str(path), records, readers=4)
+    _drop_from_page_cache(path)
+    assert loads_by_reading(str(path), records, readers=4)
+    assert not loads_by_reading(str(path), records, readers=1)  # one reader maps
+    monkeypatch.setenv("TENSORSTREAM_COLD_READ", "map")
+    assert not loads_by_reading(str(path), records, readers=4)
+    _warm(path)
+    monkeypatch.setenv("TENSORSTREAM_COLD_READ", "read")
+    assert loads_by_reading(str(path), records, readers=4)
+
+
+def test_loads_by_reading_leaves_unreadable_files_to_the_load(tmp_path, path):
+    records = _records(path)
+    assert not loads_by_reading(str(tmp_path / "missing.tensors"), records, readers=4)
+    empty = tmp_path / "empty.tensors"
+    empty.write_bytes(b"")
+    assert not loads_by_reading(str(empty), records, readers=4)

@@ -175,3 +175,37 @@ def test_hf_buffers_are_skipped_and_the_rest_reach_load_weights():
     assert _feed_load_weights(model, named, "/m/model.tensors") == 1
     assert model.seen == ["proj.weight"]
     assert torch.equal(model.proj.weight, torch.ones(2, 2))
+
+
+def test_a_cold_local_file_is_loaded_in_batches_a_cached_one_at_once(tmp_path, monkeypatch):
+    """A cold local file is read into fresh memory, not viewed (issue #12): loading it
+    whole would hold a second copy of the model beside vLLM's parameters."""
+    import gc
+    import os
+
+    import torch
+
+    from tensorstream import TensorSerializer
+    from tensorstream.integrations.vllm_loader import _Reader
+
+    monkeypatch.delenv("TENSORSTREAM_COLD_READ", raising=False)
+    path = tmp_path / "model.tensors"
+    with TensorSerializer(str(path)) as s:
+        s.write_state_dict({f"w{i}": torch.full((512, 1024), float(i)) for i in range(8)})
+    kwargs = {"device": torch.device("cpu"), "num_readers": 4, "use_mmap": True}
+
+    with open(path, "rb") as f:
+        f.read()  # cached
+    assert _Reader(str(path), kwargs, 4 << 20).batches == 1
+
+    gc.collect()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    cold = _Reader(str(path), kwargs, 4 << 20)
+    assert cold.batches == 4  # 2 MiB tensors, two to a 4 MiB batch
+    got = {name: t.clone() for batch in cold.plan for name, _, t in cold._read(batch)}
+    assert sorted(got) == [f"w{i}" for i in range(8)]
+    assert all(torch.equal(got[f"w{i}"], torch.full((512, 1024), float(i))) for i in range(8))

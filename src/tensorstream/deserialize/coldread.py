@@ -34,7 +34,14 @@ from collections.abc import Sequence
 
 from tensorstream.deserialize.index import TensorRecord
 
-__all__ = ["PROBES", "cold_read_policy", "probe_offsets", "read_instead_of_map", "resident"]
+__all__ = [
+    "PROBES",
+    "cold_read_policy",
+    "loads_by_reading",
+    "probe_offsets",
+    "read_instead_of_map",
+    "resident",
+]
 
 log = logging.getLogger("tensorstream")
 
@@ -185,3 +192,25 @@ def read_instead_of_map(
         else "mapping (resident)",
     )
     return read
+
+
+def loads_by_reading(path: str, records: Sequence[TensorRecord], readers: int) -> bool:
+    """Whether a plain CPU load of ``records`` from the local file ``path`` would read
+    them into fresh memory rather than view the file (the load's own probe and policy).
+
+    For callers that hold what they load only briefly, such as the vLLM plugin, which
+    copies into vLLM's parameters: views of the whole file cost no memory, but a whole
+    file read into fresh memory would sit beside the parameters, so those callers load
+    in batches when this says the load will read.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if not size:
+                return False
+            with mmap.mmap(
+                f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+            ) as mapping:
+                return read_instead_of_map(f.fileno(), records, path, readers, mapping)
+    except (OSError, ValueError):
+        return False  # the load itself reports an unreadable file

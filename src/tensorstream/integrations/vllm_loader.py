@@ -197,9 +197,15 @@ class _Reader:
             viewed = not kwargs.get("verify_hash") and not getattr(index, "encrypted", False)
         self.vllm_tensorized = any(r.name == VLLM_MARKER for r in self.records)
         self.nbytes = sum(r.data_length for r in self.records)
+        mapped = local and viewed and kwargs["device"].type == "cpu" and kwargs.get("use_mmap")
+        if mapped:  # a cold file is read, not viewed (issue #12): batches bound what is held
+            from tensorstream.deserialize.coldread import loads_by_reading
+
+            path = uri.removeprefix("file://")
+            mapped = not loads_by_reading(path, self.records, kwargs.get("num_readers") or 2)
         whole = (
             not self.records  # a sharded safetensors checkpoint: no single index
-            or (local and viewed and kwargs["device"].type == "cpu" and kwargs.get("use_mmap"))
+            or mapped
             or kwargs.get("lazy_load")
         )
         size = batch_bytes or batch_bytes_for(self.nbytes)
