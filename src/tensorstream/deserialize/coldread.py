@@ -33,6 +33,7 @@ import os
 from collections.abc import Sequence
 
 from tensorstream.deserialize.index import TensorRecord
+from tensorstream.deserialize.place import FileMap
 
 __all__ = [
     "PROBES",
@@ -161,15 +162,19 @@ def read_instead_of_map(
     readers: int,
     mapping: mmap.mmap | None = None,
 ) -> bool:
-    """Whether a CPU load should read the viewable ``records`` rather than map them.
+    """Whether a CPU load should read ``records`` rather than map the viewable ones.
 
     Reads when fewer than half of the probed pages are cached and the load has two
     readers or more. Break-even from the issue #12 figures: viewing costs ~1/1.0 s
     per GB cold and ~1/8 warm, reading ~1/1.38 cold and ~1/2.5 warm (fresh memory),
     equal at half the file cached. One reader reading a cold file measured no faster
     than the mapping (0.78 / 0.94 against 1.03 / 0.92 GB/s, two runs), which overlaps
-    the kernel's read-ahead with the caller's faults. Logs the choice at DEBUG.
+    the kernel's read-ahead with the caller's faults. Logs the choice at DEBUG. With
+    nothing viewable there is nothing to map, so nothing to decide: ``False``.
     """
+    records = [r for r in records if not r.is_meta and r.data_length and FileMap.can_view(r)]
+    if not records:
+        return False
     policy = cold_read_policy()
     if policy != "auto":
         log.debug("%s: TENSORSTREAM_COLD_READ=%s", where, policy)

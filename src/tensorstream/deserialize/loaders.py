@@ -85,12 +85,9 @@ def load_cpu(
 
 
 def _cold(source: Source, records: Sequence[TensorRecord], fmap: FileMap, readers: int) -> bool:
-    viewable = [r for r in records if not r.is_meta and r.data_length and fmap.can_view(r)]
-    if not viewable:
-        return False
     fd = getattr(source, "fileno", None)
     fd = fd if isinstance(fd, int) else None
-    return read_instead_of_map(fd, viewable, source.display_uri, readers, fmap.mapping)
+    return read_instead_of_map(fd, records, source.display_uri, readers, fmap.mapping)
 
 
 def _load_cpu(
