@@ -34,10 +34,16 @@ def _timed(obj: Any, name: str, sink: list[float]) -> None:
 
 
 def profile_batch(
-    llm: Any, batch: int, steps: int, torch_profile: bool, compare: bool = False
+    llm: Any,
+    batch: int,
+    steps: int,
+    torch_profile: bool,
+    compare: bool = False,
+    compare_attention: bool = False,
 ) -> dict[str, float]:
     """Median ms per decode step (total, forward, head, other) at ``batch`` rows; with
-    ``compare``, also the median step of the fused/packed linears vs plain ones."""
+    ``compare``, also the median step of the fused/packed linears vs plain ones; with
+    ``compare_attention``, of one padded bf16 decode attention call vs one per length."""
     import torch
 
     from tensorstream.engine import SamplingParams
@@ -69,12 +75,16 @@ def profile_batch(
     for step in range(steps):
         if compare:  # alternate the paths step by step: both see the same machine load
             packing.FAST_LINEARS = step % 2 == 0
+        if compare_attention:
+            engine.padded_decode = step % 2 == 0
         started = time.perf_counter()
         engine.step()
         totals.append(time.perf_counter() - started)
-        compared[getattr(packing, "FAST_LINEARS", True)].append(totals[-1])
+        fast = engine.padded_decode if compare_attention else packing.FAST_LINEARS
+        compared[fast].append(totals[-1])
     if compare:
         packing.FAST_LINEARS = True
+    engine.padded_decode = True
     if profiler is not None:
         profiler.__exit__(None, None, None)
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
@@ -86,7 +96,7 @@ def profile_batch(
     fwd = statistics.median(forward) * ms
     lm = statistics.median(head) * ms
     result = {}
-    if compare:
+    if compare or compare_attention:
         fast, plain = statistics.median(compared[True]), statistics.median(compared[False])
         result = {"fast_ms": fast * 1000, "plain_ms": plain * 1000, "speedup": plain / fast}
     return result | {
@@ -114,6 +124,11 @@ def main() -> None:
         action="store_true",
         help="alternate fused/packed and plain linears per step; print both medians",
     )
+    parser.add_argument(
+        "--compare-attention",
+        action="store_true",
+        help="alternate one padded bf16 decode attention call and one per length, per step",
+    )
     args = parser.parse_args()
 
     import torch
@@ -134,7 +149,9 @@ def main() -> None:
     )
     for batch in args.batch:
         for _ in range(args.repeat):
-            row = profile_batch(llm, batch, args.steps, args.torch_profile, args.compare)
+            row = profile_batch(
+                llm, batch, args.steps, args.torch_profile, args.compare, args.compare_attention
+            )
             print(
                 "batch {batch:3d}: step {step_ms:7.2f} ms (forward {forward_ms:6.2f}, "
                 "head {head_ms:5.2f}, other {other_ms:5.2f}) = {ms_per_token:6.2f} ms/token, "
@@ -145,6 +162,13 @@ def main() -> None:
                 print(
                     "  same run, alternating steps: fused/packed {fast_ms:7.2f} ms, "
                     "plain {plain_ms:7.2f} ms per step ({speedup:.2f}x)".format(**row),
+                    flush=True,
+                )
+            if args.compare_attention:
+                print(
+                    "  same run, alternating steps: one padded attention call "
+                    "{fast_ms:7.2f} ms, one per length {plain_ms:7.2f} ms per step "
+                    "({speedup:.2f}x)".format(**row),
                     flush=True,
                 )
 

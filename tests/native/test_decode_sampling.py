@@ -31,3 +31,19 @@ def test_mixed_batch_keeps_seeded_sampling(tiny):
     mixed = llm.generate(PROMPTS, [greedy, greedy, sampled])
     assert mixed[2].outputs[0].token_ids == alone
     assert mixed[0].outputs[0].token_ids == llm.generate(PROMPTS[0], greedy)[0].outputs[0].token_ids
+
+
+def test_row_argmax_picks_torchs_index_ties_and_nans_included():
+    import torch
+
+    from tensorstream.engine.sampler import ARGMAX_BLOCK, row_argmax
+
+    generator = torch.Generator().manual_seed(0)
+    for vocab in (7, ARGMAX_BLOCK, 49152, 32001, 3 * ARGMAX_BLOCK + 5):
+        logits = torch.randn(6, vocab, generator=generator) * 4
+        logits[1, :] = 1.0  # all tied: the first index
+        logits[2, vocab // 3] = logits[2, vocab - 1] = 50.0  # tie across blocks
+        logits[3, vocab - 1] = 60.0  # the maximum in a short last block
+        logits[4, vocab // 2] = float("nan")  # NaN wins, as in torch
+        logits[5, 0] = float("-inf")
+        assert torch.equal(row_argmax(logits), logits.argmax(-1)), vocab

@@ -178,3 +178,60 @@ def test_smollm2_bf16_alone_equals_beside_others(smollm2_dir):
                     done[out.request_id] = out.outputs[0].token_ids
             step += 1
         assert done[request] == alone
+
+
+def _padded_bias(positions: list[int], window: int | None = None) -> torch.Tensor:
+    from tensorstream.engine.kvcache import padded_length
+
+    pos = torch.tensor(positions)
+    keys = torch.arange(padded_length(max(positions) + 1))
+    visible = keys[None, :] <= pos[:, None]
+    if window is not None:
+        visible &= keys[None, :] > pos[:, None] - window
+    bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    return bias[:, None, None]
+
+
+@pytest.mark.parametrize("window", [None, 37])
+def test_padded_decode_attention_gives_each_row_its_own_bits(tiny, window):
+    """One bf16 attention call over rows of different lengths: every row's output equals the
+    row attended alone, bit for bit, and SDPA over exactly its keys within bf16 rounding."""
+    import torch.nn.functional as F
+
+    from tensorstream.engine.kvcache import KEY_BLOCK
+
+    llm = LLM(str(tiny("llama")), device="cpu", dtype="bfloat16")
+    attention = llm.model.model.layers[0].self_attn
+    heads, kv, d = attention.heads, attention.kv_heads, attention.head_dim
+    generator = torch.Generator().manual_seed(3)
+    rows, length = 9, 4 * KEY_BLOCK
+    keys = torch.randn(rows, kv, length, d, generator=generator).bfloat16()
+    values = torch.randn(rows, kv, length, d, generator=generator).bfloat16()
+    q = torch.randn(rows, heads, 1, d, generator=generator).bfloat16()
+    positions = [0, 5, 63, 64, 100, 191, 200, 255, 17]  # block edges and ragged lengths
+    together = attention._attend_padded(q, keys, values, 0, rows, _padded_bias(positions, window))
+    for r, pos in enumerate(positions):
+        alone = attention._attend_padded(
+            q[r : r + 1], keys, values, r, r + 1, _padded_bias([pos], window)
+        )
+        assert torch.equal(alone, together[r : r + 1]), f"row {r} (position {pos})"
+        first = 0 if window is None else max(0, pos - window + 1)
+        reference = F.scaled_dot_product_attention(
+            q[r : r + 1].float(),
+            keys[r : r + 1, :, first : pos + 1].float().repeat_interleave(heads // kv, 1),
+            values[r : r + 1, :, first : pos + 1].float().repeat_interleave(heads // kv, 1),
+        )
+        torch.testing.assert_close(alone.float(), reference, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_bf16_staggered_arrivals_equal_alone(tiny, arch):
+    """The padded bf16 decode path under continuous batching (a sliding window included):
+    requests joining and leaving mid-flight get exactly their solo tokens."""
+    overrides = {"sliding_window": 12} if arch == "mistral" else {}
+    llm = LLM(str(tiny(arch, **overrides)), device="cpu", dtype="bfloat16")
+    max_tokens = [9, 30, 5, 11, 7]
+    alone = [_alone(llm, p, m) for p, m in zip(PROMPTS, max_tokens, strict=True)]
+    got = _drive(llm.engine, {0: [0, 1], 2: [2], 3: [3], 6: [4]}, max_tokens)
+    assert [got[i] for i in range(len(PROMPTS))] == alone
+    assert llm.engine.cache.length % 64 == 0

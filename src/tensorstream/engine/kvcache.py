@@ -10,6 +10,11 @@ The model's attention writes and reads the slabs in place
 by doubling, so memory follows the actual load instead of
 ``max_num_seqs * max_model_len``.
 
+Row lengths are whole :data:`KEY_BLOCK`-token blocks, so a bf16 decode step can attend
+every running row in one call over a block-padded key length (``Attention._attend_padded``):
+padding to whole blocks, alone or beside longer rows, is what keeps a request's arithmetic
+independent of the batch.
+
 Why a slab and not pages: on CPU a paged layout must gather each step's keys
 into a contiguous tensor for SDPA, which copies the whole live cache every
 step; the slab view copies nothing. ``python -m bench.cold_start --kv-layout`` measures
@@ -21,7 +26,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KVCache"]
+__all__ = ["KEY_BLOCK", "KVCache", "padded_length"]
+
+#: Key lengths a padded decode attends over are multiples of this (and so are the slabs').
+#: 64 keeps every vector and matrix-tile loop of the CPU kernels free of tails.
+KEY_BLOCK = 64
+
+
+def padded_length(tokens: int) -> int:
+    """``tokens`` rounded up to whole :data:`KEY_BLOCK` blocks."""
+    return -(-tokens // KEY_BLOCK) * KEY_BLOCK
 
 
 class KVCache:
@@ -33,8 +47,10 @@ class KVCache:
         head_dim: dimensions per head.
         dtype: cache dtype (the model's).
         device: where the slabs live.
-        max_length: most tokens one row ever holds (the engine's ``max_model_len``).
-        rows: initial rows; length: initial tokens per row (both grow on demand).
+        max_length: most tokens one row ever holds (the engine's ``max_model_len``; the slab
+            holds it rounded up to whole :data:`KEY_BLOCK` blocks).
+        rows: initial rows; length: initial tokens per row (both grow on demand, lengths
+            in whole blocks).
     """
 
     def __init__(
@@ -51,13 +67,13 @@ class KVCache:
     ) -> None:
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
-        self.max_length = max_length
+        self.max_length = padded_length(max_length)
         self.rows = 0
         self.length = 0
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self._arange = torch.arange(0, device=device)
-        self.ensure(rows, min(length, max_length))
+        self.ensure(rows, min(length, self.max_length))
 
     @property
     def nbytes(self) -> int:
@@ -71,10 +87,10 @@ class KVCache:
         new_rows = max(self.rows, 1)
         while new_rows < rows:
             new_rows *= 2
-        new_length = max(self.length, 1)
+        new_length = max(self.length, KEY_BLOCK)
         while new_length < length:
             new_length *= 2
-        new_length = min(max(new_length, length), max(self.max_length, length))
+        new_length = padded_length(min(new_length, max(self.max_length, length)))
         shape = (new_rows, self.kv_heads, new_length, self.head_dim)
         for slabs in (self.keys, self.values):
             for layer in range(self.layers):

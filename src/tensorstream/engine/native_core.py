@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from tensorstream.engine.core import EngineCore, _Request, _Sequence
-from tensorstream.engine.kvcache import KVCache
+from tensorstream.engine.kvcache import KVCache, padded_length
 from tensorstream.engine.models.llama import AttentionBatch
 from tensorstream.engine.outputs import RequestOutput
+from tensorstream.engine.sampler import row_argmax
 from tensorstream.errors import ConfigError
 
 __all__ = ["NativeEngineCore"]
@@ -55,6 +56,10 @@ class NativeEngineCore(EngineCore):
         lora_manager: a :class:`~tensorstream.engine.models.lora.NativeLoRAManager` over
             ``model``; without one, requests with a ``lora_request`` are refused.
     """
+
+    #: bf16 decode rows attend in one padded call (False: one SDPA call per distinct
+    #: length, the form other dtypes take; ``bench.decode_profile --compare-attention``).
+    padded_decode = True
 
     def __init__(
         self,
@@ -185,6 +190,47 @@ class NativeEngineCore(EngineCore):
         )
         return visible[None, None]
 
+    def _decode_plan(self, decoding: list[_Row]) -> list[tuple]:
+        """Decode items of rows at equal positions: one SDPA call per distinct length."""
+        plan: list[tuple] = []
+        for i, entry in enumerate(decoding):
+            key_len = entry.cached + 1
+            last = plan[-1] if plan else None
+            if last is not None and last[5] == key_len and last[4] == entry.row:
+                plan[-1] = ("decode", last[1], i + 1, last[3], entry.row + 1, key_len, None)
+            else:
+                plan.append(("decode", i, i + 1, entry.row, entry.row + 1, key_len, None))
+        if self.window is not None:
+            for j, item in enumerate(plan):
+                if item[5] > self.window:
+                    mask = self._mask(torch.tensor([item[5] - 1], device=self.device), item[5])
+                    plan[j] = (*item[:6], mask)
+        return plan
+
+    def _padded_decode_plan(self, decoding: list[_Row]) -> list[tuple]:
+        """One padded decode item per run of consecutive cache rows (the running rows are
+        ``0..n-1``, so one item), whatever their lengths; bf16 models only (see
+        ``Attention._attend_padded``). The bias is built here once for every layer."""
+        plan: list[tuple] = []
+        start = 0
+        for i in range(1, len(decoding) + 1):
+            if i < len(decoding) and decoding[i].row == decoding[i - 1].row + 1:
+                continue
+            run = decoding[start:i]
+            last = max(entry.cached for entry in run)  # the newest token's position
+            positions = torch.tensor([entry.cached for entry in run], device=self.device)
+            keys = torch.arange(padded_length(last + 1), device=self.device)
+            visible = keys[None, :] <= positions[:, None]
+            if self.window is not None:
+                visible &= keys[None, :] > positions[:, None] - self.window
+            bias = torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
+            bias.masked_fill_(~visible, float("-inf"))
+            plan.append(
+                ("decode_padded", start, i, run[0].row, run[-1].row + 1, bias[:, None, None])
+            )
+            start = i
+        return plan
+
     def _forward(
         self,
         decoding: list[_Row],
@@ -195,21 +241,11 @@ class NativeEngineCore(EngineCore):
         tokens = [r.seq.token_ids[-1] for r in decoding]
         positions = [r.cached for r in decoding]
         owners = [r.seq for r in decoding]
-        plan: list[tuple] = []
-        length = 1
-        for i, entry in enumerate(decoding):
-            key_len = entry.cached + 1
-            length = max(length, key_len)
-            last = plan[-1] if plan else None
-            if last is not None and last[5] == key_len:
-                plan[-1] = ("decode", last[1], i + 1, last[3], entry.row + 1, key_len, None)
-            else:
-                plan.append(("decode", i, i + 1, entry.row, entry.row + 1, key_len, None))
-        if self.window is not None:
-            for j, item in enumerate(plan):
-                if item[5] > self.window:
-                    mask = self._mask(torch.tensor([item[5] - 1], device=self.device), item[5])
-                    plan[j] = (*item[:6], mask)
+        length = max([entry.cached + 1 for entry in decoding], default=1)
+        if self.padded_decode and self.cache.dtype == torch.bfloat16:
+            plan = self._padded_decode_plan(decoding)
+        else:
+            plan = self._decode_plan(decoding)
         finishing = []  # (row, index of the prompt's last token row)
         for entry, start, end in chunks:
             prompt = entry.seq.request.prompt_token_ids
@@ -279,7 +315,7 @@ class NativeEngineCore(EngineCore):
             super()._sample_sequences(sequences, logits, touched)
             return
         logits = logits.float()
-        tokens = torch.argmax(logits, dim=-1)
+        tokens = row_argmax(logits)
         chosen = logits.gather(1, tokens[:, None])[:, 0]
         logprobs = (chosen - torch.logsumexp(logits, dim=-1)).tolist()
         for seq, token, logprob in zip(sequences, tokens.tolist(), logprobs, strict=True):

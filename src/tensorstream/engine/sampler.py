@@ -11,7 +11,33 @@ import torch
 from tensorstream.engine.outputs import Logprob
 from tensorstream.engine.sampling import SamplingParams
 
-__all__ = ["apply_penalties", "pick_token", "top_logprobs"]
+__all__ = ["apply_penalties", "pick_token", "row_argmax", "top_logprobs"]
+
+#: Vocabulary entries per block in :func:`row_argmax`.
+ARGMAX_BLOCK = 256
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of a [rows, vocab] float tensor, the same indices, faster.
+
+    torch's CPU ``argmax`` along the last dimension does not vectorize (measured: 0.66 ms
+    for 16 x 49152 float32, against 0.04 ms for ``amax``). So: each block's maximum by
+    ``amax``, the first block holding the row's maximum by ``argmax`` over those few values,
+    then ``argmax`` inside that block. Ties and NaNs resolve as torch's: the first maximal
+    (or first NaN) entry wins, because the first block holding it is chosen.
+    """
+    rows, vocab = logits.shape
+    whole = vocab - vocab % ARGMAX_BLOCK
+    if whole == 0:
+        return logits.argmax(-1)
+    maxima = logits[:, :whole].reshape(rows, -1, ARGMAX_BLOCK).amax(-1)
+    if whole < vocab:
+        maxima = torch.cat([maxima, logits[:, whole:].amax(-1, keepdim=True)], dim=1)
+    starts = maxima.argmax(-1) * ARGMAX_BLOCK
+    # The last block may be short: clamping repeats its last entry, after the real ones.
+    offsets = torch.arange(ARGMAX_BLOCK, device=logits.device)
+    index = (starts[:, None] + offsets).clamp_max_(vocab - 1)
+    return starts + logits.gather(1, index).argmax(-1)
 
 
 def apply_penalties(

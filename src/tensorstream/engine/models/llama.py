@@ -34,11 +34,14 @@ class AttentionBatch:
     tokens of the running sequences first, then prompt chunks. ``plan`` says what each
     stretch of rows is:
 
-    * ``("decode", first, stop, row0, row1, key_len, mask)``: rows ``first..stop`` are
-      one new token each of cache rows ``row0..row1``, all at position ``key_len - 1``.
-      Only equal lengths share an item, so each attends over exactly its own keys and a
-      request's arithmetic never depends on the other rows (SDPA over extra, masked keys
-      rounds differently).
+    * ``("decode_padded", first, stop, row0, row1, bias)``: rows ``first..stop`` are one
+      new token each of cache rows ``row0..row1``, at their own positions; ``bias`` is
+      float32 [rows, 1, 1, padded keys], 0 where a row sees a key and -inf elsewhere. One
+      call attends all of them (bf16 only: :meth:`Attention._attend_padded`).
+    * ``("decode", first, stop, row0, row1, key_len, mask)``: the same for rows that all
+      sit at position ``key_len - 1``, through SDPA over exactly their own keys. Other
+      dtypes take this form, one item per distinct length, so a request's arithmetic
+      never depends on the other rows (SDPA over extra, masked keys rounds differently).
     * ``("prefill", first, stop, row, start, mask)``: rows ``first..stop`` are one prompt
       chunk of cache row ``row``, positions ``start..``; causal (``mask`` None) or masked.
 
@@ -220,7 +223,10 @@ class Attention(nn.Module):
             values[rows, :, positions] = v[: len(rows), :, 0]
         parts = []
         for item in batch.plan:
-            if item[0] == "decode":
+            if item[0] == "decode_padded":
+                _, first, stop, row0, row1, bias = item
+                parts.append(self._attend_padded(q[first:stop], keys, values, row0, row1, bias))
+            elif item[0] == "decode":
                 _, first, stop, row0, row1, key_len, mask = item
                 # Fold each kv head's query group into the query axis: no repeated keys.
                 n = stop - first
@@ -243,6 +249,47 @@ class Attention(nn.Module):
                 )  # fmt: skip
                 parts.append(out[0].transpose(0, 1)[:, :, None])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _attend_padded(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        row0: int,
+        row1: int,
+        bias: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decode token per cache row ``row0..row1``, each over its own keys, in one call.
+
+        Keys are padded to whole :data:`~tensorstream.engine.kvcache.KEY_BLOCK` blocks and
+        ``bias`` hides what a row does not see. Scores and softmax run in float32, the
+        weighted sum of values in bf16 with float32 accumulation (as SDPA's CPU kernel).
+        Why the result is a row's own: a masked key adds exact zeros, and with lengths in
+        whole blocks the kernels' vector and tile loops group a row's real keys the same way
+        for every padded length, so a row gets the same bits alone or beside longer rows
+        (tested: ``tests/native/test_native_batching.py``). float32 matmuls do not keep
+        that (their blocking depends on the shapes), hence bf16 only.
+
+        Args:
+            q: [rows, heads, 1, head_dim] queries.
+            keys, values: this layer's cache slabs.
+            bias: float32 [rows, 1, 1, padded keys].
+
+        Returns:
+            [rows, heads, 1, head_dim].
+        """
+        n, length = row1 - row0, bias.shape[-1]
+        kv, groups, d = self.kv_heads, self.groups, self.head_dim
+        # Each kv head's query group is the query axis of one matrix product: no repeated keys.
+        packed = q.reshape(n * kv, groups, d).float()
+        k = keys[row0:row1, :, :length].reshape(n * kv, length, d).float()
+        v = values[row0:row1, :, :length].reshape(n * kv, length, d)
+        scores = torch.baddbmm(
+            bias.expand(n, kv, groups, length).reshape(n * kv, groups, length),
+            packed, k.transpose(1, 2), alpha=d**-0.5,
+        )  # fmt: skip
+        weights = torch.softmax(scores, dim=-1).to(v.dtype)
+        return torch.bmm(weights, v).view(n, self.heads, 1, d)
 
 
 class MLP(nn.Module):
