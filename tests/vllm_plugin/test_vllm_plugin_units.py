@@ -209,3 +209,44 @@ def test_a_cold_local_file_is_loaded_in_batches_a_cached_one_at_once(tmp_path, m
     got = {name: t.clone() for batch in cold.plan for name, _, t in cold._read(batch)}
     assert sorted(got) == [f"w{i}" for i in range(8)]
     assert all(torch.equal(got[f"w{i}"], torch.full((512, 1024), float(i))) for i in range(8))
+
+
+def test_a_cached_tensorizer_file_with_unaligned_tensors_is_loaded_in_batches(
+    tmp_path, monkeypatch
+):
+    """Issue #11: tensors at offsets not aligned for their dtype are copied into fresh
+    memory even from a cached file; loaded whole, those copies would sit beside vLLM's
+    parameters. An own (aligned) cached file is still one deserializer of views."""
+    import tensorizer
+    import torch
+
+    from tensorstream import TensorSerializer
+    from tensorstream.deserialize.coldread import viewable
+    from tensorstream.deserialize.index import read_index
+    from tensorstream.integrations.vllm_loader import _Reader
+    from tensorstream.sources.registry import open_source
+
+    monkeypatch.delenv("TENSORSTREAM_COLD_READ", raising=False)
+    want = {f"w{i}": torch.full((512, 1024), float(i)) for i in range(8)}
+    theirs, ours = tmp_path / "theirs.tensors", tmp_path / "ours.tensors"
+    serializer = tensorizer.TensorSerializer(str(theirs))
+    serializer.write_state_dict(want)
+    serializer.close()
+    with TensorSerializer(str(ours)) as s:
+        s.write_state_dict(want)
+    with open_source(str(theirs)) as src:
+        unaligned = len(want) - len(viewable(read_index(src).records))
+    assert unaligned > 2, "tensorizer aligned the tensors; the test proves nothing"
+    kwargs = {"device": torch.device("cpu"), "num_readers": 4, "use_mmap": True}
+
+    for path in (theirs, ours):
+        with open(path, "rb") as f:
+            f.read()  # cached
+    assert _Reader(str(ours), kwargs, 4 << 20).batches == 1
+    cached = _Reader(str(theirs), kwargs, 4 << 20)
+    assert cached.batches == 4  # 2 MiB tensors, two to a 4 MiB batch
+    got = {name: t.clone() for batch in cached.plan for name, _, t in cached._read(batch)}
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    # unaligned copies of no more than one batch: still one deserializer
+    assert _Reader(str(theirs), kwargs, 64 << 20).batches == 1

@@ -42,6 +42,7 @@ __all__ = [
     "probe_offsets",
     "read_instead_of_map",
     "resident",
+    "viewable",
 ]
 
 log = logging.getLogger("tensorstream")
@@ -155,6 +156,13 @@ def resident(
     return None if hits is None else (hits, len(offsets))
 
 
+def viewable(records: Sequence[TensorRecord]) -> list[TensorRecord]:
+    """The records a plain CPU load of a mapped local file views in place; it copies
+    the others' data into fresh (arena) memory (tensorizer's files put many tensors
+    at offsets not aligned for their dtype)."""
+    return [r for r in records if not r.is_meta and r.data_length and FileMap.can_view(r)]
+
+
 def read_instead_of_map(
     fd: int | None,
     records: Sequence[TensorRecord],
@@ -172,7 +180,7 @@ def read_instead_of_map(
     the kernel's read-ahead with the caller's faults. Logs the choice at DEBUG. With
     nothing viewable there is nothing to map, so nothing to decide: ``False``.
     """
-    records = [r for r in records if not r.is_meta and r.data_length and FileMap.can_view(r)]
+    records = viewable(records)
     if not records:
         return False
     policy = cold_read_policy()

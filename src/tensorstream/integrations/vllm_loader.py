@@ -178,8 +178,11 @@ class TensorstreamModelLoader(BaseModelLoader):
 class _Reader:
     """The file's tensors as ``(name, tensor_type, tensor)``, in file order, streamed.
 
-    A local, plain CPU load is one deserializer (page-cache views: nothing to bound).
-    Any other load (remote, hashed, decrypted, or onto a device) reads batches of about ``batch_bytes`` on
+    A local, plain CPU load of a file in the page cache is one deserializer when it
+    holds little: page-cache views cost nothing, but tensors at offsets not aligned for
+    their dtype (many in files tensorizer wrote) are copied into fresh memory, so when
+    those come to more than one batch the file is batched too. Any other load (remote,
+    cold, hashed, decrypted, or onto a device) reads batches of about ``batch_bytes`` on
     a background thread, each batch its own ``TensorDeserializer`` over a slice of
     the index, so the model is never held twice.
     """
@@ -198,17 +201,20 @@ class _Reader:
         self.vllm_tensorized = any(r.name == VLLM_MARKER for r in self.records)
         self.nbytes = sum(r.data_length for r in self.records)
         mapped = local and viewed and kwargs["device"].type == "cpu" and kwargs.get("use_mmap")
+        size = batch_bytes or batch_bytes_for(self.nbytes)
         if mapped:  # a cold file is read, not viewed (issue #12): batches bound what is held
-            from tensorstream.deserialize.coldread import loads_by_reading
+            from tensorstream.deserialize.coldread import loads_by_reading, viewable
 
+            # unaligned tensors are copied even from a cached file (issue #11)
+            copied = self.nbytes - sum(r.data_length for r in viewable(self.records))
             path = uri.removeprefix("file://")
-            mapped = not loads_by_reading(path, self.records, kwargs.get("num_readers") or 2)
+            readers = kwargs.get("num_readers") or 2
+            mapped = copied <= size and not loads_by_reading(path, self.records, readers)
         whole = (
             not self.records  # a sharded safetensors checkpoint: no single index
             or mapped
             or kwargs.get("lazy_load")
         )
-        size = batch_bytes or batch_bytes_for(self.nbytes)
         self.plan = [self.records] if whole else batch_plan(self.records, size)
         self.batches = len(self.plan)
 
