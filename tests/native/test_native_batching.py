@@ -209,10 +209,11 @@ def test_padded_decode_attention_gives_each_row_its_own_bits(tiny, window):
     values = torch.randn(rows, kv, length, d, generator=generator).bfloat16()
     q = torch.randn(rows, heads, 1, d, generator=generator).bfloat16()
     positions = [0, 5, 63, 64, 100, 191, 200, 255, 17]  # block edges and ragged lengths
-    together = attention._attend_padded(q, keys, values, 0, rows, _padded_bias(positions, window))
+    bias = attention.head_bias(_padded_bias(positions, window))
+    together = attention._attend_padded(q, keys, values, 0, rows, bias)
     for r, pos in enumerate(positions):
         alone = attention._attend_padded(
-            q[r : r + 1], keys, values, r, r + 1, _padded_bias([pos], window)
+            q[r : r + 1], keys, values, r, r + 1, attention.head_bias(_padded_bias([pos], window))
         )
         assert torch.equal(alone, together[r : r + 1]), f"row {r} (position {pos})"
         first = 0 if window is None else max(0, pos - window + 1)

@@ -10,7 +10,7 @@ engine's own (``engine/kvcache.py``), addressed through an :class:`AttentionBatc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -59,6 +59,8 @@ class AttentionBatch:
     mask: torch.Tensor | None = None
     adapters: Any = None
     decode_slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    #: per-step values every layer shares (the padded decode's bias per kv head)
+    shared: dict[Any, torch.Tensor] = field(default_factory=dict)
 
 
 class Linear(nn.Linear):
@@ -225,7 +227,13 @@ class Attention(nn.Module):
         for item in batch.plan:
             if item[0] == "decode_padded":
                 _, first, stop, row0, row1, bias = item
-                parts.append(self._attend_padded(q[first:stop], keys, values, row0, row1, bias))
+                key = ("bias", first, self.kv_heads)
+                if key not in batch.shared:  # once per step, not per layer
+                    batch.shared[key] = self.head_bias(bias)
+                out = self._attend_padded(
+                    q[first:stop], keys, values, row0, row1, batch.shared[key]
+                )
+                parts.append(out)
             elif item[0] == "decode":
                 _, first, stop, row0, row1, key_len, mask = item
                 # Fold each kv head's query group into the query axis: no repeated keys.
@@ -250,6 +258,11 @@ class Attention(nn.Module):
                 parts.append(out[0].transpose(0, 1)[:, :, None])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
+    def head_bias(self, bias: torch.Tensor) -> torch.Tensor:
+        """A padded decode's bias ([rows, 1, 1, keys]) repeated for each kv head:
+        [rows * kv heads, 1, keys], the form :meth:`_attend_padded` takes."""
+        return bias.flatten(1).repeat_interleave(self.kv_heads, dim=0)[:, None]
+
     def _attend_padded(
         self,
         q: torch.Tensor,
@@ -273,7 +286,7 @@ class Attention(nn.Module):
         Args:
             q: [rows, heads, 1, head_dim] queries.
             keys, values: this layer's cache slabs.
-            bias: float32 [rows, 1, 1, padded keys].
+            bias: float32 [rows * kv heads, 1, padded keys] (:meth:`head_bias`).
 
         Returns:
             [rows, heads, 1, head_dim].
@@ -281,13 +294,10 @@ class Attention(nn.Module):
         n, length = row1 - row0, bias.shape[-1]
         kv, groups, d = self.kv_heads, self.groups, self.head_dim
         # Each kv head's query group is the query axis of one matrix product: no repeated keys.
-        packed = q.reshape(n * kv, groups, d).float()
-        k = keys[row0:row1, :, :length].reshape(n * kv, length, d).float()
+        packed = q.float().reshape(n * kv, groups, d)
+        k = keys[row0:row1, :, :length].float().reshape(n * kv, length, d)
         v = values[row0:row1, :, :length].reshape(n * kv, length, d)
-        scores = torch.baddbmm(
-            bias.expand(n, kv, groups, length).reshape(n * kv, groups, length),
-            packed, k.transpose(1, 2), alpha=d**-0.5,
-        )  # fmt: skip
+        scores = torch.baddbmm(bias, packed, k.transpose(1, 2), alpha=d**-0.5)
         weights = torch.softmax(scores, dim=-1).to(v.dtype)
         return torch.bmm(weights, v).view(n, self.heads, 1, d)
 
