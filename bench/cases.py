@@ -117,6 +117,10 @@ def _local_cases() -> None:
                                               "env": {"TENSORSTREAM_COLD_READ": "map"}},
                       caches=("cold",), fallback_fmt="tensorizer",
                       note="TENSORSTREAM_COLD_READ=map: views even when the file is not cached"))  # fmt: skip
+    register(Case("tensorstream-r4-noprefault", "tensorstream", "load", "tensorstream_load",
+                  "tensorstream", params={"num_readers": 4, "env": {"TENSORSTREAM_PREFAULT": "0"}},
+                  caches=("cold",), fallback_fmt="tensorizer",
+                  note="TENSORSTREAM_PREFAULT=0: a cold file read into arenas faulting pages in"))  # fmt: skip
     register(Case("tensorstream-r4-verify", "tensorstream", "load", "tensorstream_load",
                   "tensorstream", params={"num_readers": 4, "verify_hash": True},
                   fallback_fmt="tensorizer"))  # fmt: skip
@@ -132,6 +136,11 @@ def _local_cases() -> None:
                   "tensorizer", params={"num_readers": 4, "env": {"TENSORSTREAM_ARENA": "0"}},
                   caches=("warm",),
                   note="the same with TENSORSTREAM_ARENA=0 (torch.empty per tensor)"))  # fmt: skip
+    # prefault.py's MADV_POPULATE_WRITE before each fresh segment, against ordinary faults
+    register(Case("tensorstream-r4-tzfile-noprefault", "tensorstream", "load",
+                  "tensorstream_load", "tensorizer",
+                  params={"num_readers": 4, "env": {"TENSORSTREAM_PREFAULT": "0"}},
+                  note="tensorizer's file, TENSORSTREAM_PREFAULT=0: copies fault pages in"))  # fmt: skip
     register(Case("tensorstream-r4-tzfile-map", "tensorstream", "load", "tensorstream_load",
                   "tensorizer", params={"num_readers": 4, "env": {"TENSORSTREAM_COLD_READ": "map"}},
                   caches=("cold",),
@@ -182,6 +191,11 @@ def _remote_cases() -> None:
                       "tensorstream_load", "tensorstream", source=src,
                       params={"num_readers": None}, fallback_fmt="tensorizer",
                       note="num_readers=None (the source's preferred count)"))  # fmt: skip
+        register(Case(f"tensorstream-{src}-r4-noprefault", "tensorstream", "load",
+                      "tensorstream_load", "tensorstream", source=src,
+                      params={"num_readers": 4, "env": {"TENSORSTREAM_PREFAULT": "0"}},
+                      fallback_fmt="tensorizer",
+                      note="TENSORSTREAM_PREFAULT=0: readers fault fresh pages in"))  # fmt: skip
         register(Case(f"tensorstream-{src}-r4-safetensors", "tensorstream", "load",
                       "tensorstream_load", "safetensors", source=src,
                       params={"num_readers": 4}, note="safetensors file, same path"))  # fmt: skip

@@ -28,6 +28,7 @@ from tensorstream.deserialize.place import (
     staging_size,
 )
 from tensorstream.deserialize.plan import ReadRange, Segment, plan_ranges
+from tensorstream.deserialize.prefault import populate, prefault_enabled
 from tensorstream.sources.base import RangeReader, Source
 
 __all__ = ["load_cpu", "load_staged"]
@@ -116,6 +117,9 @@ def _load_cpu(
             dests.append(alloc.empty(r.dtype, r.shape))
         headers.append(bytearray(r.header_size) if r.header_size and fmap is None else None)
     data_views = [byte_view(d) if d is not None else None for d in dests]
+    # fresh memory the readers fill: fault each segment in with one call first (prefault)
+    fresh = [d.data_ptr() if d is not None and d.numel() else 0 for d in dests]
+    populate_fresh = prefault_enabled()
     log.debug(
         "%s: %d bytes viewed in place, %d read into arenas by up to %d readers",
         source.display_uri,
@@ -133,6 +137,8 @@ def _load_cpu(
             assert fmap is not None
             fmap.prefetch(seg.offset, seg.length)
             return None
+        if populate_fresh and fresh[seg.record]:
+            populate(fresh[seg.record] + seg.dest_offset, seg.length)
         return view[seg.dest_offset : seg.dest_offset + seg.length]
 
     def on_complete(i: int) -> None:
