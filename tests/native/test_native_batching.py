@@ -236,3 +236,21 @@ def test_bf16_staggered_arrivals_equal_alone(tiny, arch):
     got = _drive(llm.engine, {0: [0, 1], 2: [2], 3: [3], 6: [4]}, max_tokens)
     assert [got[i] for i in range(len(PROMPTS))] == alone
     assert llm.engine.cache.length % 64 == 0
+
+
+@pytest.mark.parametrize("features", [576, 2048, 5632])
+def test_linear_rows_get_the_same_bits_alone_and_in_a_batch(features):
+    """One or two rows run padded (GEMV rounds differently, and oneDNN's two-row kernel is
+    slower), so a row's output never depends on how many rows ran beside it."""
+    from tensorstream.engine.models.llama import Linear, _linear
+
+    generator = torch.Generator().manual_seed(features)
+    layer = Linear(features, 3000, bias=False).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(3000, features, generator=generator))
+        x = torch.randn(7, 1, features, generator=generator).bfloat16()
+        together = _linear(x, layer, None, "w")
+        for rows in (1, 2, 3, 5):
+            alone = _linear(x[:rows], layer, None, "w")
+            assert alone.shape == (rows, 1, 3000)
+            assert torch.equal(alone, together[:rows]), rows

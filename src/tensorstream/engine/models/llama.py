@@ -108,12 +108,34 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+#: Batches of fewer than ``PAD_BELOW`` rows run their linear layers as ``PADDED_ROWS``
+#: rows, repeating the first. One row would take a GEMV path, whose bf16 sums round
+#: differently from the GEMM that several rows take (measured: K=1536, 9 of 100 rows differ;
+#: oneDNN's prepacked kernel at K >= 2048 too), and a request decoding alone must get the
+#: same tokens as beside others; GEMM rows agree bit for bit whatever their number (checked
+#: for 2-16 rows, K up to 5632). Four rows rather than two: oneDNN's prepacked bf16 kernel
+#: streams the weights faster at four (same process, alternating steps: one row 1.13-1.14x,
+#: two rows 1.08-1.10x per step; three rows padded to four lost, 0.96-0.97x).
+PAD_BELOW = 3
+PADDED_ROWS = 4
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` as [PADDED_ROWS, features]: its ``rows`` rows, then copies of the first."""
+    flat = x.reshape(rows, x.shape[-1])
+    return torch.cat([flat, flat[:1].expand(PADDED_ROWS - rows, -1)])
+
+
 def _linear(x: torch.Tensor, layer: nn.Linear, lora: Any, name: str) -> torch.Tensor:
-    if x.shape[:-1].numel() == 1:
-        # One row takes torch's GEMV path, whose bf16 sums round differently from the GEMM
-        # that two or more rows take (measured: K=1536, 9 of 100 rows differ). A request
-        # decoding alone must get the same tokens as beside others, so one row runs as two.
-        return _linear(torch.cat([x, x]), layer, lora, name)[:1]
+    """``layer`` (+ its LoRA update) applied to ``x``, small batches padded (PAD_BELOW)."""
+    rows = x.shape[:-1].numel()
+    if not 0 < rows < PAD_BELOW:
+        return _linear_rows(x, layer, lora, name)
+    out = _linear_rows(_pad_rows(x, rows), layer, lora, name)[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _linear_rows(x: torch.Tensor, layer: nn.Linear, lora: Any, name: str) -> torch.Tensor:
     out = layer(x)
     if lora is not None:
         out = lora.apply(name, x, out)
@@ -124,10 +146,17 @@ def _fused_linear(
     x: torch.Tensor, fused: FusedLinear, lora: Any, names: tuple[str, ...], split: bool = True
 ) -> list[torch.Tensor]:
     """``fused``'s layers applied to ``x`` in one matmul, split back per layer (+ LoRA);
-    ``split=False`` (no LoRA) returns the one joint output."""
-    if x.shape[:-1].numel() == 1:  # one row runs as two: see _linear
-        both = _fused_linear(torch.cat([x, x]), fused, lora, names, split)
-        return [out[:1] for out in both]
+    ``split=False`` (no LoRA) returns the one joint output. Small batches padded (PAD_BELOW)."""
+    rows = x.shape[:-1].numel()
+    if not 0 < rows < PAD_BELOW:
+        return _fused_rows(x, fused, lora, names, split)
+    outs = _fused_rows(_pad_rows(x, rows), fused, lora, names, split)
+    return [out[:rows].reshape(*x.shape[:-1], out.shape[-1]) for out in outs]
+
+
+def _fused_rows(
+    x: torch.Tensor, fused: FusedLinear, lora: Any, names: tuple[str, ...], split: bool
+) -> list[torch.Tensor]:
     if not split:
         return [fused(x)]
     outs = list(fused(x).split(fused.sizes, dim=-1))
@@ -423,10 +452,8 @@ class NativeCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor, adapters: Any = None) -> torch.Tensor:
         """LM-head logits of ``hidden`` (contiguous, so CPU bf16 matmul takes its fast path)."""
-        out = self.lm_head(hidden.contiguous())
-        if adapters is not None:
-            out = adapters.apply("lm_head", hidden, out)
-        return out
+        # through _linear: a lone row is padded like every other layer's (PAD_BELOW)
+        return _linear(hidden.contiguous(), self.lm_head, adapters, "lm_head")
 
     def forward(self, input_ids: torch.Tensor, **_: Any) -> SimpleNamespace:
         """Causal forward over whole sequences (no cache); returns ``.logits`` like transformers."""
