@@ -32,6 +32,22 @@ def test_batch_plan_cuts_by_bytes_and_keeps_large_tensors_whole():
     assert batch_plan([], 25) == []
 
 
+def test_batch_plan_counts_only_what_a_record_holds():
+    """Views of the page cache hold nothing of their own: only the copies fill a batch."""
+    records = _records(10, 10, 10, 50, 5, 5)
+    copies = {"t0", "t2", "t4"}  # the others are views
+    plan = batch_plan(records, 15, lambda r: r.data_length if r.key in copies else 0)
+    assert [[r.key for r in b] for b in plan] == [["t0", "t1"], ["t2", "t3", "t4", "t5"]]
+    every_byte = batch_plan(records, 15)
+    assert [[r.key for r in b] for b in every_byte] == [
+        ["t0"],
+        ["t1"],
+        ["t2"],
+        ["t3"],
+        ["t4", "t5"],
+    ]
+
+
 def test_batch_size_grows_with_the_file_within_bounds():
     mib = 1 << 20
     assert batch_bytes_for(269_000_000) == 32 * mib  # SmolLM2: batches as small as before

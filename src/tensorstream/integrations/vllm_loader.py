@@ -181,7 +181,8 @@ class _Reader:
     A local, plain CPU load of a file in the page cache is one deserializer when it
     holds little: page-cache views cost nothing, but tensors at offsets not aligned for
     their dtype (many in files tensorizer wrote) are copied into fresh memory, so when
-    those come to more than one batch the file is batched too. Any other load (remote,
+    those come to more than one batch the file is batched too, each batch holding about
+    ``batch_bytes`` of copies (its views hold nothing of their own). Any other load (remote,
     cold, hashed, decrypted, or onto a device) reads batches of about ``batch_bytes`` on
     a background thread, each batch its own ``TensorDeserializer`` over a slice of
     the index, so the model is never held twice.
@@ -202,20 +203,26 @@ class _Reader:
         self.nbytes = sum(r.data_length for r in self.records)
         mapped = local and viewed and kwargs["device"].type == "cpu" and kwargs.get("use_mmap")
         size = batch_bytes or batch_bytes_for(self.nbytes)
+        held = None  # every byte read is held until its batch is consumed
         if mapped:  # a cold file is read, not viewed (issue #12): batches bound what is held
             from tensorstream.deserialize.coldread import loads_by_reading, viewable
 
             # unaligned tensors are copied even from a cached file (issue #11)
-            copied = self.nbytes - sum(r.data_length for r in viewable(self.records))
+            views = {id(r) for r in viewable(self.records)}
+            copied = sum(r.data_length for r in self.records if id(r) not in views)
             path = uri.removeprefix("file://")
             readers = kwargs.get("num_readers") or 2
-            mapped = copied <= size and not loads_by_reading(path, self.records, readers)
+            if loads_by_reading(path, self.records, readers):
+                mapped = False
+            elif copied > size:  # cached, but copies to bound: views hold nothing of their own
+                mapped = False
+                held = lambda r: 0 if id(r) in views else r.data_length  # noqa: E731
         whole = (
             not self.records  # a sharded safetensors checkpoint: no single index
             or mapped
             or kwargs.get("lazy_load")
         )
-        self.plan = [self.records] if whole else batch_plan(self.records, size)
+        self.plan = [self.records] if whole else batch_plan(self.records, size, held)
         self.batches = len(self.plan)
 
     def _read(self, batch: list) -> list[tuple[str, int, torch.Tensor]]:

@@ -121,18 +121,26 @@ def batch_bytes_for(total: int) -> int:
     return max(BATCH_MIN, min(BATCH_MAX, total // 16))
 
 
-def batch_plan(records: Sequence[Any], batch_bytes: int) -> list[list[Any]]:
-    """``records`` (file order, each with ``data_length``) cut into batches of about
-    ``batch_bytes``; a tensor larger than that is a batch of its own."""
+def batch_plan(
+    records: Sequence[Any], batch_bytes: int, held: Callable[[Any], int] | None = None
+) -> list[list[Any]]:
+    """``records`` (file order, each with ``data_length``) cut into batches holding about
+    ``batch_bytes``; a tensor larger than that is a batch of its own.
+
+    ``held(record)``: the bytes a record holds while its batch lives (default: its
+    ``data_length``; a page-cache view holds none of its own).
+    """
+    held = held or (lambda record: record.data_length)
     batches: list[list[Any]] = []
     current: list[Any] = []
     size = 0
     for record in records:
-        if current and size + record.data_length > batch_bytes:
+        nbytes = held(record)
+        if current and size + nbytes > batch_bytes:
             batches.append(current)
             current, size = [], 0
         current.append(record)
-        size += record.data_length
+        size += nbytes
     if current:
         batches.append(current)
     return batches
