@@ -89,6 +89,13 @@ def _check_storages(got: dict[str, torch.Tensor]) -> None:
             assert t.untyped_storage().nbytes() == t.nbytes, name
 
 
+def _check_loaded(got: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> None:
+    """Every tensor equals what was written and owns a storage of exactly its bytes."""
+    for name, t in got.items():
+        assert_same(t, state[name], name)
+    _check_storages(got)
+
+
 def test_cold_file_loads_through_the_read_path_bit_identical(path, state, caplog):
     _warm(path)
     warm, mapped, _ = _load(path)
@@ -118,9 +125,7 @@ def test_warm_file_still_yields_views(path, state, caplog):
     viewable = sum(r.data_length for r in records if r.data_offset % r.dtype.itemsize == 0)
     assert mapped == viewable > 0
     assert MAP_LOG in caplog.text
-    for name, t in got.items():
-        assert_same(t, state[name], name)
-    _check_storages(got)
+    _check_loaded(got, state)
 
 
 def test_env_read_forces_reading_a_warm_file(path, state, monkeypatch, caplog):
@@ -130,9 +135,7 @@ def test_env_read_forces_reading_a_warm_file(path, state, monkeypatch, caplog):
         got, mapped, _ = _load(path)
     assert mapped == 0
     assert "TENSORSTREAM_COLD_READ=read" in caplog.text
-    for name, t in got.items():
-        assert_same(t, state[name], name)
-    _check_storages(got)
+    _check_loaded(got, state)
 
 
 def test_env_map_forces_mapping_a_cold_file(path, state, monkeypatch):
@@ -140,9 +143,7 @@ def test_env_map_forces_mapping_a_cold_file(path, state, monkeypatch):
     _drop_from_page_cache(path)
     got, mapped, _ = _load(path)
     assert mapped > 0
-    for name, t in got.items():
-        assert_same(t, state[name], name)
-    _check_storages(got)
+    _check_loaded(got, state)
 
 
 def test_one_reader_keeps_mapping_a_cold_file(path, state, caplog):
@@ -152,8 +153,7 @@ def test_one_reader_keeps_mapping_a_cold_file(path, state, caplog):
         got, mapped, _ = _load(path, num_readers=1)
     assert mapped > 0
     assert "mapping (cold, but one reader)" in caplog.text
-    for name, t in got.items():
-        assert_same(t, state[name], name)
+    _check_loaded(got, state)
 
 
 @pytest.mark.parametrize("kw", [{"use_mmap": False}, {"verify_hash": "crc32"}])
@@ -162,9 +162,7 @@ def test_mapping_opt_outs_still_read_a_warm_file_with_map_forced(path, state, mo
     _warm(path)
     got, mapped, _ = _load(path, **kw)
     assert mapped == 0
-    for name, t in got.items():
-        assert_same(t, state[name], name)
-    _check_storages(got)
+    _check_loaded(got, state)
 
 
 def test_unknown_policy_warns_and_probes(path, monkeypatch, caplog):
