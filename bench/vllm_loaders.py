@@ -280,6 +280,13 @@ def _prepare(work: Path, args: argparse.Namespace) -> tuple[list[dict], Any]:
         dict(key="local safetensors, vLLM default", model=str(st_dir), load_format="auto"),
         dict(key="local tensorized, vLLM tensorizer", model=str(ts_dir), load_format="tensorizer"),
         dict(key="local tensorized, tensorstream", model=str(ts_dir), load_format="tensorstream"),
+        # every tensor copied into vLLM's parameters, none adopted as a page-cache view
+        dict(
+            key="local tensorized (views off), tensorstream",
+            model=str(ts_dir),
+            load_format="tensorstream",
+            env={"TENSORSTREAM_VLLM_VIEWS": "0"},
+        ),
         dict(key="S3 safetensors, vLLM runai_streamer", model="", load_format="runai_streamer"),
         dict(key="S3 tensorized, tensorstream", model="", load_format="tensorstream"),
         dict(key="S3 safetensors, tensorstream", model="", load_format="tensorstream"),
@@ -294,7 +301,7 @@ def _prepare(work: Path, args: argparse.Namespace) -> tuple[list[dict], Any]:
         )
     for case in cases:
         case.setdefault("extra", {})
-        case["env"] = {}
+        case.setdefault("env", {})
         case["warm"] = [Path(case["model"])] if case["model"] else []
         if "tensorizer-written" in case["key"]:
             path = tensorizer_file(st_dir)

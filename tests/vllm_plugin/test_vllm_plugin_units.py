@@ -256,3 +256,162 @@ def test_a_cached_tensorizer_file_with_unaligned_tensors_is_loaded_in_batches(
     assert all(torch.equal(got[n], want[n]) for n in want)
     # unaligned copies of no more than one batch: still one deserializer
     assert _Reader(str(theirs), kwargs, 64 << 20).batches == 1
+
+
+def _adoption_model():
+    """A stand-in for a vLLM model: verbatim loaders, a fused one, a quantized parameter
+    class, tied weights."""
+    import torch
+
+    def fused_loader(param, loaded, shard=None):  # like MergedColumnParallelLinear's
+        raise AssertionError("not called in these tests")
+
+    fused_loader.__qualname__ = "MergedColumnParallelLinear.weight_loader"
+
+    class RowParallelLinear:
+        def weight_loader_v2(self, param, loaded):
+            raise AssertionError("not called in these tests")
+
+    class ModelWeightParameter(torch.nn.Parameter):  # vLLM's unquantized linear weight
+        pass
+
+    class PackedvLLMParameter(torch.nn.Parameter):  # a quantized one: vLLM's to load
+        pass
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Parameter(torch.empty(64, 32), requires_grad=False)
+            self.head = self.embed  # tied: one parameter under two names
+            self.o_proj = ModelWeightParameter(torch.empty(32, 32), requires_grad=False)
+            self.o_proj.weight_loader = RowParallelLinear().weight_loader_v2
+            self.packed = PackedvLLMParameter(torch.empty(32, 32), requires_grad=False)
+            self.norm = torch.nn.Parameter(torch.empty(32), requires_grad=False)
+            self.fused = torch.nn.Parameter(torch.empty(32, 32), requires_grad=False)
+            self.fused.weight_loader = fused_loader
+            self.narrow = torch.nn.Parameter(torch.empty(32, 32, dtype=torch.bfloat16))
+            self.seen: list[str] = []
+
+        def load_weights(self, weights):
+            params = dict(self.named_parameters(remove_duplicate=False))
+            for name, tensor in weights:
+                self.seen.append(name)
+                params[name].data.copy_(tensor)
+            return set(self.seen)
+
+    return Model()
+
+
+def test_cached_file_tensors_become_parameters_without_a_copy(tmp_path, monkeypatch):
+    """Issue #11: a tensor that fills a parameter whole and unchanged becomes its data (a
+    page-cache view: no fresh memory, no copy); fused, dtype-converted and quantized-class
+    parameters still go through the model's load_weights; a tied parameter's alias is
+    dropped, as vLLM drops it."""
+    import torch
+
+    from tensorstream import TensorSerializer
+    from tensorstream.integrations.vllm_adopt import Adopter
+    from tensorstream.integrations.vllm_loader import _feed_load_weights, _Reader
+
+    monkeypatch.delenv("TENSORSTREAM_COLD_READ", raising=False)
+    want = {
+        "embed": torch.randn(64, 32),
+        "head": torch.randn(64, 32),
+        "o_proj": torch.randn(32, 32),
+        "packed": torch.randn(32, 32),
+        "norm": torch.randn(32),
+        "fused": torch.randn(32, 32),
+        "narrow": torch.randn(32, 32),  # float32 in the file, bfloat16 in the model
+    }
+    path = tmp_path / "model.tensors"
+    with TensorSerializer(str(path)) as s:
+        s.write_state_dict(want)
+    with open(path, "rb") as f:
+        f.read()  # cached: a mapped load, so tensors are page-cache views
+    kwargs = {"device": torch.device("cpu"), "num_readers": 2, "use_mmap": True}
+    reader = _Reader(str(path), kwargs, None)
+    assert {r.name for r in reader.records if r.key in reader.viewed} == set(want)
+
+    model = _adoption_model()
+    adopter = Adopter(model, reader.records, reader.viewed)
+    assert sorted(adopter.targets) == ["embed", "norm", "o_proj"]
+    assert adopter.aliases == {"head"}  # tied to embed, which is loaded under its first name
+    untouched = adopter.untouched(model.parameters())
+    assert {id(p) for p in untouched} == {id(model.fused), id(model.narrow), id(model.packed)}
+
+    fresh = {name: p.data_ptr() for name, p in model.named_parameters()}
+    named = [item for batch in reader.plan for item in reader._read(batch)]
+    model.fused.weight_loader = None  # let the stand-in's load_weights copy it
+    model.narrow.data = model.narrow.data.float()  # ... and this one (dtype now fits a copy)
+    assert _feed_load_weights(model, iter(named), str(path), adopter) == len(want)
+    assert adopter.adopted == 3 and adopter.nbytes == (64 * 32 + 32 * 32 + 32) * 4
+    # head is embed's alias: vLLM skips it (and refuses a skipped alias whose canonical
+    # name it did not load itself), so it is not handed on
+    assert sorted(model.seen) == ["fused", "narrow", "packed"]
+    for name in ("embed", "o_proj", "norm"):
+        param = getattr(model, name)
+        assert torch.equal(param, want[name])
+        assert param.data_ptr() != fresh[name]  # the file's bytes, not the old allocation
+        assert param.untyped_storage().nbytes() == want[name].nbytes  # exactly its bytes
+    assert model.head is model.embed
+    # copy-on-write: writing a parameter leaves the file as it was
+    model.o_proj.data.fill_(7.0)
+    again = _Reader(str(path), kwargs, None)
+    (batch,) = again.plan
+    got = {name: t for name, _, t in again._read(batch)}
+    assert torch.equal(got["o_proj"], want["o_proj"])
+
+
+def test_no_parameter_adopts_a_copy_or_when_switched_off(tmp_path, monkeypatch):
+    """Cold files are read into fresh memory and converted tensors are copies: nothing is
+    viewed, so nothing is adopted; ``TENSORSTREAM_VLLM_VIEWS=0`` turns adoption off."""
+    import os
+
+    import torch
+
+    from tensorstream import TensorSerializer
+    from tensorstream.integrations.vllm_loader import _Reader, adopt_views
+
+    monkeypatch.delenv("TENSORSTREAM_COLD_READ", raising=False)
+    path = tmp_path / "model.tensors"
+    with TensorSerializer(str(path)) as s:
+        s.write_state_dict({f"w{i}": torch.ones(512, 1024) for i in range(4)})
+    kwargs = {"device": torch.device("cpu"), "num_readers": 4, "use_mmap": True}
+    with open(path, "rb") as f:
+        f.read()
+    assert len(_Reader(str(path), kwargs, None).viewed) == 4
+    assert not _Reader(str(path), {**kwargs, "dtype": torch.bfloat16}, None).viewed
+    assert not _Reader(str(path), {**kwargs, "verify_hash": True}, None).viewed
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert not _Reader(str(path), kwargs, None).viewed  # cold: read, not mapped
+
+    monkeypatch.delenv("TENSORSTREAM_VLLM_VIEWS", raising=False)
+    assert adopt_views()
+    monkeypatch.setenv("TENSORSTREAM_VLLM_VIEWS", "0")
+    assert not adopt_views()
+
+
+def test_only_verbatim_weight_loaders_adopt_and_only_at_tensor_parallel_size_one():
+    import torch
+
+    from tensorstream.integrations.vllm_adopt import _verbatim_loader
+
+    param = torch.nn.Parameter(torch.empty(2, 2))
+    assert _verbatim_loader(param, 1) and _verbatim_loader(param, 2)  # default loader
+
+    class RowParallelLinear:
+        def weight_loader(self, param, loaded):
+            pass
+
+    class QKVParallelLinear(RowParallelLinear):
+        def weight_loader(self, param, loaded, shard=None):
+            pass
+
+    param.weight_loader = RowParallelLinear().weight_loader
+    assert _verbatim_loader(param, 1) and not _verbatim_loader(param, 2)  # TP slices it
+    param.weight_loader = QKVParallelLinear().weight_loader  # an override: not verbatim
+    assert not _verbatim_loader(param, 1)

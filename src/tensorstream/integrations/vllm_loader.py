@@ -19,6 +19,7 @@ by name) and a rank file of Hugging Face names with its sidecar
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Generator, Iterable, Iterator
 from typing import Any
@@ -31,6 +32,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from tensorstream.errors import ConfigError, FormatError, TensorStreamError
 from tensorstream.formats.tensorizer import TENSOR_TYPE_BUFFER
+from tensorstream.integrations.vllm_adopt import Adopter
 from tensorstream.integrations.vllm_options import (
     RANK_FIELD,
     RANK_TEMPLATE,
@@ -130,8 +132,6 @@ class TensorstreamModelLoader(BaseModelLoader):
         device = param.device if param is not None else torch.device("cpu")
         start = time.perf_counter()
         kwargs = self._deserializer_kwargs(device, model_config.dtype)
-        prefaulted = prefault(model.parameters()) if device.type == "cpu" else 0
-        fill = time.perf_counter()
         reader = _Reader(uri, kwargs, self.options.batch_bytes)
         # a rank file of Hugging Face names holds this rank's slices (its sidecar says
         # for which tensor-parallel size); vLLM's own layout is recognised by its marker
@@ -140,6 +140,16 @@ class TensorstreamModelLoader(BaseModelLoader):
             from tensorstream.integrations.vllm_shards import check_world_size
 
             check_world_size(uri, world_size, self.options.storage)
+        adopter = None
+        if reader.viewed and not rank_file and adopt_views():
+            adopter = Adopter(
+                model, reader.records, reader.viewed, world_size, reader.vllm_tensorized
+            )
+        params = list(model.parameters())
+        if adopter is not None:  # parameters that take a view are never touched
+            params = adopter.untouched(params)
+        prefaulted = prefault(params) if device.type == "cpu" else 0
+        fill = time.perf_counter()
         tensors = reader.tensors()
         # vLLM's weight loaders copy one tensor (typically 0.1-4 MB) at a time; each copy
         # as an OpenMP parallel region cost 2-60x a single-threaded copy here (every
@@ -148,13 +158,13 @@ class TensorstreamModelLoader(BaseModelLoader):
         torch.set_num_threads(1)
         try:
             if reader.vllm_tensorized:
-                loaded = _copy_vllm_tensorized(model, tensors, uri)
+                loaded = _copy_vllm_tensorized(model, tensors, uri, adopter)
             elif rank_file:  # this rank's slices already: vLLM must not slice them again
                 from tensorstream.integrations.vllm_shards import copy_rank_slices
 
                 loaded = copy_rank_slices(model, tensors, uri)
             else:
-                loaded = _feed_load_weights(model, tensors, uri)
+                loaded = _feed_load_weights(model, tensors, uri, adopter)
         finally:
             torch.set_num_threads(threads)
             tensors.close()  # stops the background reader when vLLM failed half-way
@@ -162,17 +172,26 @@ class TensorstreamModelLoader(BaseModelLoader):
         # vLLM's default loader logs the same sentence; benchmarks read both alike.
         logger.info(
             "Loading weights took %.2f seconds (tensorstream: %d tensors, %.3f GB from %s "
-            "in %d batch(es); %.3f GB prefaulted in %.2f s; read %.2f s, overlapped with "
-            "filling the model)",
+            "in %d batch(es); %d parameter(s), %.3f GB, are page-cache views; %.3f GB "
+            "prefaulted in %.2f s; read %.2f s, overlapped with filling the model)",
             end - start,
             loaded,
             reader.nbytes / 1e9,
             uri,
             reader.batches,
+            adopter.adopted if adopter is not None else 0,
+            adopter.nbytes / 1e9 if adopter is not None else 0.0,
             prefaulted / 1e9,
             fill - start,
             reader.read_seconds,
         )
+
+
+def adopt_views() -> bool:
+    """Whether parameters may take page-cache views (:mod:`.vllm_adopt`);
+    ``TENSORSTREAM_VLLM_VIEWS=0`` copies every tensor into vLLM's own parameters."""
+    setting = os.environ.get("TENSORSTREAM_VLLM_VIEWS", "").strip().lower()
+    return setting not in ("0", "false", "no", "off")
 
 
 class _Reader:
@@ -204,6 +223,8 @@ class _Reader:
         mapped = local and viewed and kwargs["device"].type == "cpu" and kwargs.get("use_mmap")
         size = batch_bytes or batch_bytes_for(self.nbytes)
         held = None  # every byte read is held until its batch is consumed
+        #: keys of the records handed out as page-cache views (:mod:`.vllm_adopt`)
+        self.viewed: set[Any] = set()
         if mapped:  # a cold file is read, not viewed (issue #12): batches bound what is held
             from tensorstream.deserialize.coldread import loads_by_reading, viewable
 
@@ -214,9 +235,17 @@ class _Reader:
             readers = kwargs.get("num_readers") or 2
             if loads_by_reading(path, self.records, readers):
                 mapped = False
-            elif copied > size:  # cached, but copies to bound: views hold nothing of their own
-                mapped = False
-                held = lambda r: 0 if id(r) in views else r.data_length  # noqa: E731
+            else:
+                # converted to another dtype, a tensor is a copy, not a view
+                dtype = kwargs.get("dtype")
+                self.viewed = {
+                    r.key
+                    for r in self.records
+                    if id(r) in views and (dtype is None or r.dtype == dtype)
+                }
+                if copied > size:  # cached, but copies to bound: views hold nothing of their own
+                    mapped = False
+                    held = lambda r: 0 if id(r) in views else r.data_length  # noqa: E731
         whole = (
             not self.records  # a sharded safetensors checkpoint: no single index
             or mapped
@@ -260,9 +289,11 @@ def _skippable(name: str, tensor_type: int, known: set[str]) -> bool:
     return tensor_type == TENSOR_TYPE_BUFFER or any(part in name for part in _ROTARY)
 
 
-def _feed_load_weights(model: nn.Module, named: Iterator, uri: str) -> int:
+def _feed_load_weights(
+    model: nn.Module, named: Iterator, uri: str, adopter: Adopter | None = None
+) -> int:
     """Hand the tensors to ``model.load_weights`` (vLLM's name mapping, fusing and sharding)
-    as they arrive."""
+    as they arrive; those ``adopter`` places as parameters' data skip it."""
     known = _model_names(model)
     skipped: list[str] = []
     current: dict[str, Any] = {"count": 0}
@@ -274,6 +305,8 @@ def _feed_load_weights(model: nn.Module, named: Iterator, uri: str) -> int:
                 continue
             current["name"], current["shape"] = name, tuple(tensor.shape)
             current["count"] += 1
+            if adopter is not None and adopter.adopt(name, tensor):
+                continue
             yield name, tensor
 
     try:
@@ -297,8 +330,11 @@ def _feed_load_weights(model: nn.Module, named: Iterator, uri: str) -> int:
     return current["count"]
 
 
-def _copy_vllm_tensorized(model: nn.Module, named: Iterable, uri: str) -> int:
-    """Copy a vLLM-tensorized file (vLLM's names, this rank's shards) into the parameters."""
+def _copy_vllm_tensorized(
+    model: nn.Module, named: Iterable, uri: str, adopter: Adopter | None = None
+) -> int:
+    """Copy a vLLM-tensorized file (vLLM's names, this rank's shards) into the parameters,
+    or make them the parameters' data where ``adopter`` planned it."""
     params = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers(remove_duplicate=False)))
     count = 0
@@ -326,9 +362,11 @@ def _copy_vllm_tensorized(model: nn.Module, named: Iterable, uri: str) -> int:
                 f"{uri}: tensor {name!r} has shape {list(tensor.shape)}, the vLLM model's "
                 f"parameter has {list(target.shape)}.{hint}"
             )
+        count += 1
+        if adopter is not None and adopter.adopt(name, tensor):
+            continue
         with torch.no_grad():
             target.data.copy_(tensor)
-        count += 1
     if count == 0:
         raise ConfigError(f"{uri}: the vLLM-tensorized file holds no tensors of the model")
     return count
