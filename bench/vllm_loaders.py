@@ -280,20 +280,33 @@ def _prepare(work: Path, args: argparse.Namespace) -> tuple[list[dict], Any]:
         dict(key="local safetensors, vLLM default", model=str(st_dir), load_format="auto"),
         dict(key="local tensorized, vLLM tensorizer", model=str(ts_dir), load_format="tensorizer"),
         dict(key="local tensorized, tensorstream", model=str(ts_dir), load_format="tensorstream"),
-        # every tensor copied into vLLM's parameters, none adopted as a page-cache view
+        # every tensor copied into vLLM's parameters, none landing in place
         dict(
-            key="local tensorized (views off), tensorstream",
+            key="local tensorized (in place off), tensorstream",
             model=str(ts_dir),
             load_format="tensorstream",
-            env={"TENSORSTREAM_VLLM_VIEWS": "0"},
+            env={"TENSORSTREAM_VLLM_IN_PLACE": "0"},
         ),
         dict(key="S3 safetensors, vLLM runai_streamer", model="", load_format="runai_streamer"),
         dict(key="S3 tensorized, tensorstream", model="", load_format="tensorstream"),
+        dict(
+            key="S3 tensorized (in place off), tensorstream",
+            model="",
+            load_format="tensorstream",
+            env={"TENSORSTREAM_VLLM_IN_PLACE": "0"},
+        ),
         dict(key="S3 safetensors, tensorstream", model="", load_format="tensorstream"),
     ]
     if args.tensorizer_file:
         tz = dict(model=str(st_dir), load_format="tensorstream")
         cases.append(dict(key="local tensorizer-written, tensorstream", **tz))
+        cases.append(
+            dict(
+                key="local tensorizer-written (in place off), tensorstream",
+                env={"TENSORSTREAM_VLLM_IN_PLACE": "0"},
+                **tz,
+            )
+        )
     cases = [c for c in cases if not args.only or args.only in c["key"]]
     if any("tensorized" in c["key"] or c["key"].startswith("S3") for c in cases):
         serialize_model(
@@ -318,7 +331,7 @@ def _prepare(work: Path, args: argparse.Namespace) -> tuple[list[dict], Any]:
     os.environ.update(info["env"])  # for the config fetch below
     fetched = vllm_model_args(uri)
     for case in remote:
-        case["env"] = info["env"]
+        case["env"] = {**info["env"], **case["env"]}
         case["warm"] = [work / "weed"]  # the S3 server's volumes
         if "runai_streamer" in case["key"]:
             case["model"] = uri

@@ -52,30 +52,52 @@ def test_local_tensorized_dir_matches_vllm_default_loader(greedy, reference_toke
     assert greedy(serialized_dir, "tensorstream", extra) == reference_tokens
 
 
-def test_cached_local_file_hands_vllm_page_cache_views(greedy, reference_tokens, serialized_dir):
-    """Issue #11: a plain load of a cached local file makes the tensors that fill a vLLM
-    parameter whole (embeddings, norms, o_proj, down_proj) that parameter's data instead of
-    copying them; the fused qkv/gate_up parameters are still filled by vLLM's loaders."""
-    (serialized_dir / "model.tensors").read_bytes()  # cached
+def _in_place(greedy, *args) -> tuple[list, int, float, float]:
+    """Greedy tokens, and from the loader's summary: parameters filled in place, their
+    GB, and the GB of those that are page-cache views."""
     # the engine runs in this process (conftest); vLLM's handlers write to the stream
-    # they were configured with, so the loader's summary is read off its logger
+    # they were configured with, so the summary is read off the loader's logger
     messages: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: messages.append(record.getMessage())
     logger = logging.getLogger("vllm.model_executor.model_loader.tensorstream")
     logger.addHandler(handler)
     try:
-        assert greedy(serialized_dir, "tensorstream") == reference_tokens
+        tokens = greedy(*args)
     finally:
         logger.removeHandler(handler)
     found = re.findall(
-        r"(\d+) parameter\(s\), ([\d.]+) GB, are page-cache views", "\n".join(messages)
+        r"(\d+) parameter\(s\), ([\d.]+) GB, in place: ([\d.]+) GB page-cache views",
+        "\n".join(messages),
     )
     assert found, messages
-    adopted, gb = int(found[-1][0]), float(found[-1][1])
-    # SmolLM2-135M: the tied embedding, 61 norms, 30 o_proj and 30 down_proj
-    assert adopted == 1 + 61 + 30 + 30
+    return tokens, int(found[-1][0]), float(found[-1][1]), float(found[-1][2])
+
+
+#: SmolLM2-135M's parameters that one tensor fills whole: the tied embedding, 61 norms,
+#: 30 o_proj and 30 down_proj (qkv_proj and gate_up_proj are fused by vLLM's loaders)
+SMOLLM2_WHOLE = 1 + 61 + 30 + 30
+
+
+def test_cached_local_file_hands_vllm_page_cache_views(greedy, reference_tokens, serialized_dir):
+    """Issue #11: a plain load of a cached local file makes the tensors that fill a vLLM
+    parameter whole that parameter's data instead of copying them."""
+    (serialized_dir / "model.tensors").read_bytes()  # cached
+    tokens, adopted, gb, viewed = _in_place(greedy, serialized_dir, "tensorstream")
+    assert tokens == reference_tokens
+    assert adopted == SMOLLM2_WHOLE
     assert 0.05 < gb < 0.27  # not the fused half of the model
+    assert viewed == gb  # our file is aligned: every one of them is a view
+
+
+def test_hashed_local_load_reads_into_vllm_parameters(greedy, reference_tokens, serialized_dir):
+    """verify_hash cannot hand out views (the checked bytes must be the returned ones):
+    the same tensors are read straight into vLLM's parameters and checked there."""
+    extra = {"verify_hash": True}
+    tokens, adopted, gb, viewed = _in_place(greedy, serialized_dir, "tensorstream", extra)
+    assert tokens == reference_tokens
+    assert adopted == SMOLLM2_WHOLE and 0.05 < gb < 0.27
+    assert viewed == 0.0
 
 
 def test_s3_dir_matches_vllm_default_loader(

@@ -362,15 +362,17 @@ def test_cached_file_tensors_become_parameters_without_a_copy(tmp_path, monkeypa
     assert torch.equal(got["o_proj"], want["o_proj"])
 
 
-def test_no_parameter_adopts_a_copy_or_when_switched_off(tmp_path, monkeypatch):
+def test_only_cached_unconverted_tensors_are_views_and_the_switch_turns_in_place_off(
+    tmp_path, monkeypatch
+):
     """Cold files are read into fresh memory and converted tensors are copies: nothing is
-    viewed, so nothing is adopted; ``TENSORSTREAM_VLLM_VIEWS=0`` turns adoption off."""
+    viewed; ``TENSORSTREAM_VLLM_IN_PLACE=0`` turns landing in place off."""
     import os
 
     import torch
 
     from tensorstream import TensorSerializer
-    from tensorstream.integrations.vllm_loader import _Reader, adopt_views
+    from tensorstream.integrations.vllm_loader import _Reader, in_place
 
     monkeypatch.delenv("TENSORSTREAM_COLD_READ", raising=False)
     path = tmp_path / "model.tensors"
@@ -389,10 +391,52 @@ def test_no_parameter_adopts_a_copy_or_when_switched_off(tmp_path, monkeypatch):
         os.close(fd)
     assert not _Reader(str(path), kwargs, None).viewed  # cold: read, not mapped
 
-    monkeypatch.delenv("TENSORSTREAM_VLLM_VIEWS", raising=False)
-    assert adopt_views()
-    monkeypatch.setenv("TENSORSTREAM_VLLM_VIEWS", "0")
-    assert not adopt_views()
+    monkeypatch.delenv("TENSORSTREAM_VLLM_IN_PLACE", raising=False)
+    assert in_place()
+    monkeypatch.setenv("TENSORSTREAM_VLLM_IN_PLACE", "0")
+    assert not in_place()
+
+
+def test_streamed_tensors_are_read_straight_into_the_parameters(tmp_path, monkeypatch):
+    """Issue #11: a load that cannot view the file (remote, cold, hashed; here use_mmap off
+    and verify_hash) reads each tensor that fills a parameter whole straight into that
+    parameter's own memory: no fresh copy, no copy by vLLM; batches count only the rest."""
+    import torch
+
+    from tensorstream import TensorSerializer
+    from tensorstream.integrations.vllm_adopt import Adopter
+    from tensorstream.integrations.vllm_loader import _feed_load_weights, _Reader
+
+    want = {
+        "embed": torch.randn(64, 32),
+        "o_proj": torch.randn(32, 32),
+        "packed": torch.randn(32, 32),
+        "norm": torch.randn(32),
+        "fused": torch.randn(32, 32),
+    }
+    path = tmp_path / "model.tensors"
+    with TensorSerializer(str(path)) as s:
+        s.write_state_dict(want)
+    kwargs = {"device": torch.device("cpu"), "verify_hash": True, "use_mmap": False}
+    reader = _Reader(str(path), kwargs, 32 * 32 * 4)  # a batch holds one 32x32 tensor
+    assert not reader.viewed and reader.batches == 5
+
+    model = _adoption_model()
+    adopter = Adopter(model, reader.records, reader.viewed)
+    assert sorted(adopter.destinations()) == ["embed", "norm", "o_proj"]
+    reader.fill_in_place(adopter.destinations())
+    assert reader.batches == 2  # packed, then norm + fused: the rest hold nothing of theirs
+
+    memory = {name: p.data_ptr() for name, p in model.named_parameters()}
+    model.fused.weight_loader = None  # let the stand-in's load_weights copy it
+    assert _feed_load_weights(model, reader.tensors(), str(path), adopter) == len(want)
+    assert adopter.adopted == 3 and adopter.viewed_bytes == 0
+    assert sorted(model.seen) == ["fused", "packed"]
+    for name in ("embed", "o_proj", "norm"):
+        param = getattr(model, name)
+        assert torch.equal(param, want[name])
+        assert param.data_ptr() == memory[name]  # vLLM's own allocation, filled in place
+    assert torch.equal(model.fused, want["fused"]) and torch.equal(model.packed, want["packed"])
 
 
 def test_only_verbatim_weight_loaders_adopt_and_only_at_tensor_parallel_size_one():

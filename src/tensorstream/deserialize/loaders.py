@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -60,8 +60,10 @@ def load_cpu(
     fmap: FileMap | None,
     verify: bool | str,
     progress: Callable[[int], None],
+    into: Mapping[Any, torch.Tensor] | None = None,
 ) -> None:
-    """Load into CPU memory: views of ``fmap`` where possible, arena tensors otherwise.
+    """Load into CPU memory: views of ``fmap`` where possible, arena tensors otherwise,
+    and the caller's own tensors for the keys of ``into`` (``deserialize/inplace.py``).
 
     With ``verify``, every tensor is read into arena memory and the hash is checked
     on that copy, so what the caller gets is exactly what was verified: a later
@@ -74,13 +76,13 @@ def load_cpu(
     alloc = ArenaAllocator()
     try:
         if fmap is not None and pipeline.decryptor is not None:
-            _decrypt_from_map(records, pipeline, fmap, verify, progress, alloc)
+            _decrypt_from_map(records, pipeline, fmap, verify, progress, alloc, into or {})
             return
         if verify:
             fmap = None  # copies, not views: the verified bytes must be the returned ones
         elif fmap is not None and _cold(source, records, fmap, readers):
             fmap = None
-        _load_cpu(source, records, readers, pipeline, fmap, verify, progress, alloc)
+        _load_cpu(source, records, readers, pipeline, fmap, verify, progress, alloc, into or {})
     finally:
         alloc.close()
 
@@ -100,14 +102,26 @@ def _load_cpu(
     verify: bool | str,
     progress: Callable[[int], None],
     alloc: ArenaAllocator,
+    into: Mapping[Any, torch.Tensor],
 ) -> None:
-    viewable = [fmap is not None and not r.is_meta and fmap.can_view(r) for r in records]
-    alloc.reserve([r.data_length for r, v in zip(records, viewable, strict=True) if not v])
+    viewable = [
+        fmap is not None and not r.is_meta and r.key not in into and fmap.can_view(r)
+        for r in records
+    ]
+    alloc.reserve(
+        [
+            r.data_length
+            for r, v in zip(records, viewable, strict=True)
+            if not v and r.key not in into
+        ]
+    )
     views: dict[int, torch.Tensor] = {}
     dests: list[torch.Tensor | None] = []
     headers: list[bytearray | None] = []
     for i, r in enumerate(records):
-        if r.is_meta:
+        if r.key in into:
+            dests.append(into[r.key].zero_() if r.is_meta else into[r.key])
+        elif r.is_meta:
             dests.append(torch.zeros(r.shape, dtype=r.dtype))
         elif viewable[i]:
             assert fmap is not None
@@ -181,8 +195,9 @@ def _decrypt_from_map(
     verify: bool | str,
     progress: Callable[[int], None],
     alloc: ArenaAllocator,
+    into: Mapping[Any, torch.Tensor],
 ) -> None:
-    """Decrypt each tensor out of the file mapping into arena memory.
+    """Decrypt each tensor out of the file mapping into arena memory (or ``into``).
 
     libsodium reads the ciphertext from the page cache and writes the plaintext once,
     where reading into the tensor and then decrypting it in place touches every byte
@@ -197,9 +212,11 @@ def _decrypt_from_map(
     failed = threading.Event()
     order = sorted(records, key=lambda r: -r.data_length)
     # Carved here, on one thread, in the order the pool takes them.
-    alloc.reserve([r.data_length for r in order if not r.is_meta])
+    alloc.reserve([r.data_length for r in order if not r.is_meta and r.key not in into])
     dests = {
-        r.header_offset: torch.zeros(r.shape, dtype=r.dtype)
+        r.header_offset: (into[r.key].zero_() if r.is_meta else into[r.key])
+        if r.key in into
+        else torch.zeros(r.shape, dtype=r.dtype)
         if r.is_meta
         else alloc.empty(r.dtype, r.shape)
         for r in order

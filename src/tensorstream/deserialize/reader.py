@@ -36,6 +36,7 @@ from tensorstream.deserialize.index import (
     check_allocation,
     read_index,
 )
+from tensorstream.deserialize.inplace import check_into
 from tensorstream.deserialize.latecheck import missed_checks, verify_late
 from tensorstream.deserialize.loaders import load_cpu, load_staged
 from tensorstream.deserialize.pipeline import RecordPipeline
@@ -98,6 +99,11 @@ class TensorDeserializer(Mapping[Any, Any]):
             check a slice against a whole-tensor hash), or
             with a rank field in ``source`` (``%03d``, ``{rank}``) this rank's own file,
             checked against its sidecar. See docs/parallel.md.
+        into: CPU tensors to read the named tensors into, by name (contiguous, the
+            file's shape and dtype): the bytes land there (decrypted and hash-checked
+            there), never in a page-cache view or fresh memory, and the deserializer
+            hands out that same memory. For callers that already own the destination
+            (``deserialize/inplace.py``).
 
     Raises:
         FormatError, TruncatedFileError: not a valid file, or cut short; a tensor header
@@ -144,6 +150,7 @@ class TensorDeserializer(Mapping[Any, Any]):
         manifest: str | os.PathLike[str] | bytes | bool | None = None,
         require_manifest: bool = False,
         shard: Any = None,
+        into: Mapping[Any, torch.Tensor] | None = None,
     ) -> None:
         if verify_hash not in (False, True, "crc32"):
             raise ConfigError(f'verify_hash must be True, False or "crc32", got {verify_hash!r}')
@@ -193,6 +200,7 @@ class TensorDeserializer(Mapping[Any, Any]):
                 )
             )
             check_allocation(self._index, self._records, self._source.display_uri)
+            self._into = check_into(self._records, into, self._device, dtype, shard, where)
             self._by_key = {r.key: r for r in self._records}
             self._pipeline = RecordPipeline(
                 self._index,
@@ -279,8 +287,11 @@ class TensorDeserializer(Mapping[Any, Any]):
                     self._map_file(),
                     self._verify,
                     progress.update,
+                    self._into,
                 )
             else:
+                if self._into:  # checked at open; only the test hook gets here
+                    raise ConfigError("into= fills CPU tensors; the staged path cannot")
                 load_staged(
                     self._source,
                     records,

@@ -1,15 +1,21 @@
-"""Page-cache views that become vLLM's parameters instead of being copied into them.
+"""Weights that land in vLLM's parameters in place instead of being copied into them.
 
-No vLLM import here. A plain CPU load of a cached local file hands vLLM views of the
-page cache, and vLLM's weight loaders copy each one into a freshly allocated
-parameter. The first touch of that fresh memory is most of a local load (issue #11,
-1.64 GB Llama: prefault 0.45-0.5 s of 0.65-0.76 s). Where a tensor fills a parameter
-whole and unchanged (same name, shape and dtype, a plain parameter on the CPU: torch's,
-or vLLM's unquantized linear weight; a weight loader that copies verbatim at this
-tensor-parallel size), the parameter takes
-the view instead (``param.data = view``): no page fault and no copy, and vLLM's own
-allocation, never touched, is freed unread. The fused ``qkv_proj``/``gate_up_proj``
-parameters are filled from several tensors, so they are still copied.
+No vLLM import here. A plain CPU load hands vLLM tensors of its own (page-cache views
+of a cached local file, or fresh memory the readers filled), and vLLM's weight loaders
+copy each one into a freshly allocated parameter. The first touch of that fresh memory
+is most of a local load (issue #11, 1.64 GB Llama: prefault 0.45-0.5 s of 0.65-0.76 s).
+Where a tensor fills a parameter whole and unchanged (same name, shape and dtype, a
+plain parameter on the CPU: torch's, or vLLM's unquantized linear weight; a weight
+loader that copies verbatim at this tensor-parallel size), it lands there directly:
+
+- a page-cache view becomes the parameter's data (``param.data = view``): no page
+  fault and no copy, and vLLM's own allocation, never touched, is freed unread;
+- any other tensor (remote, cold, unaligned, hashed or decrypted) is read straight
+  into the parameter's memory (``TensorDeserializer(into=...)``), where it would have
+  gone to fresh memory first and been copied from there.
+
+The fused ``qkv_proj``/``gate_up_proj`` parameters are filled from several tensors, so
+they are still copied by vLLM's loaders.
 
 A view is a private, writable mapping of the file (copy-on-write): vLLM may repack or
 modify the weight, and the file is never written. Its storage is exactly the tensor's
@@ -73,16 +79,19 @@ def _same_name_in_vllm(model: nn.Module, name: str) -> bool:
 
 
 class Adopter:
-    """Which parameters take their tensor's page-cache view, and the adopting itself.
+    """Which parameters take their tensor's page-cache view or are read into in place,
+    and the adopting itself.
 
     Args:
         model: the vLLM model, built, weights not loaded.
         records: the file's index records (``name``, ``shape``, ``dtype``, ``key``).
-        viewed: keys of the records the load hands out as page-cache views.
+        viewed: keys of the records the load hands out as page-cache views; the others
+            planned are read into the parameter (:meth:`destinations`).
         world_size: tensor-parallel size; above 1 only vLLM-tensorized files (this
             rank's shards already) adopt (``any_loader``).
         any_loader: adopt whatever the parameter's weight loader (the caller copies by
             name itself, as for a vLLM-tensorized file).
+        dtype: the dtype the load casts floating tensors to, if any.
     """
 
     def __init__(
@@ -92,6 +101,7 @@ class Adopter:
         viewed: set[Any],
         world_size: int = 1,
         any_loader: bool = False,
+        dtype: torch.dtype | None = None,
     ) -> None:
         params = dict(model.named_parameters(remove_duplicate=False))
         # a tied parameter is loaded under its first name in module order, as vLLM's
@@ -100,17 +110,20 @@ class Adopter:
         for name, param in params.items():
             first.setdefault(id(param), name)
         self.targets: dict[str, nn.Parameter] = {}
+        #: records read straight into their parameter (not handed out as views), by key
+        self._fill: dict[Any, nn.Parameter] = {}
         taken: set[int] = set()
         for record in records:
             param = params.get(record.name)
             if (
-                record.key not in viewed
-                or not _same_name_in_vllm(model, record.name)
+                not _same_name_in_vllm(model, record.name)
                 or param is None
                 or type(param).__name__ not in _PLAIN_PARAMETERS  # quantized: vLLM's to load
                 or param.is_meta
                 or param.device.type != "cpu"
                 or param.dtype != record.dtype
+                # the load casts to ``dtype``: a cast tensor is new memory, not in place
+                or (dtype is not None and record.dtype.is_floating_point and record.dtype != dtype)
                 or tuple(param.shape) != tuple(record.shape)
                 or first[id(param)] != record.name  # an alias of a tied parameter
                 or not (any_loader or _verbatim_loader(param, world_size))
@@ -118,6 +131,8 @@ class Adopter:
                 continue
             taken.add(id(param))
             self.targets[record.name] = param
+            if record.key not in viewed:
+                self._fill[record.key] = param
         self._ids = taken
         #: other names of a planned parameter (``lm_head.weight`` tied to the embedding):
         #: vLLM skips them, and it refuses a skipped alias whose canonical name it did not
@@ -125,6 +140,12 @@ class Adopter:
         self.aliases = {n for n, p in params.items() if id(p) in taken and n not in self.targets}
         self.adopted = 0
         self.nbytes = 0
+        self.viewed_bytes = 0
+
+    def destinations(self) -> dict[Any, torch.Tensor]:
+        """``TensorDeserializer(into=...)`` for the tensors that are not views: each
+        planned parameter's own memory, by record key."""
+        return {key: param.data for key, param in self._fill.items()}
 
     def untouched(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
         """``params`` less those that will take a view (nothing to prefault there)."""
@@ -145,8 +166,11 @@ class Adopter:
             or tensor.device != param.device
         ):
             return False
-        with torch.no_grad():
-            param.data = tensor.detach()
+        if tensor.data_ptr() != param.data_ptr():  # a view: it becomes the data
+            with torch.no_grad():
+                param.data = tensor.detach()
+            self.viewed_bytes += tensor.nbytes
+        # else the readers wrote it into the parameter already (destinations())
         self.adopted += 1
         self.nbytes += tensor.nbytes
         return True

@@ -141,12 +141,18 @@ class TensorstreamModelLoader(BaseModelLoader):
 
             check_world_size(uri, world_size, self.options.storage)
         adopter = None
-        if reader.viewed and not rank_file and adopt_views():
+        if device.type == "cpu" and reader.records and not rank_file and in_place():
             adopter = Adopter(
-                model, reader.records, reader.viewed, world_size, reader.vllm_tensorized
+                model,
+                reader.records,
+                reader.viewed,
+                world_size,
+                reader.vllm_tensorized,
+                kwargs.get("dtype"),
             )
+            reader.fill_in_place(adopter.destinations())
         params = list(model.parameters())
-        if adopter is not None:  # parameters that take a view are never touched
+        if adopter is not None:  # views are never touched; the readers fault the rest in
             params = adopter.untouched(params)
         prefaulted = prefault(params) if device.type == "cpu" else 0
         fill = time.perf_counter()
@@ -172,8 +178,9 @@ class TensorstreamModelLoader(BaseModelLoader):
         # vLLM's default loader logs the same sentence; benchmarks read both alike.
         logger.info(
             "Loading weights took %.2f seconds (tensorstream: %d tensors, %.3f GB from %s "
-            "in %d batch(es); %d parameter(s), %.3f GB, are page-cache views; %.3f GB "
-            "prefaulted in %.2f s; read %.2f s, overlapped with filling the model)",
+            "in %d batch(es); %d parameter(s), %.3f GB, in place: %.3f GB page-cache views, "
+            "the rest read into them; %.3f GB prefaulted in %.2f s; read %.2f s, overlapped "
+            "with filling the model)",
             end - start,
             loaded,
             reader.nbytes / 1e9,
@@ -181,16 +188,18 @@ class TensorstreamModelLoader(BaseModelLoader):
             reader.batches,
             adopter.adopted if adopter is not None else 0,
             adopter.nbytes / 1e9 if adopter is not None else 0.0,
+            adopter.viewed_bytes / 1e9 if adopter is not None else 0.0,
             prefaulted / 1e9,
             fill - start,
             reader.read_seconds,
         )
 
 
-def adopt_views() -> bool:
-    """Whether parameters may take page-cache views (:mod:`.vllm_adopt`);
-    ``TENSORSTREAM_VLLM_VIEWS=0`` copies every tensor into vLLM's own parameters."""
-    setting = os.environ.get("TENSORSTREAM_VLLM_VIEWS", "").strip().lower()
+def in_place() -> bool:
+    """Whether tensors that fill a parameter whole land there in place (page-cache
+    views become its data, other tensors are read into it: :mod:`.vllm_adopt`);
+    ``TENSORSTREAM_VLLM_IN_PLACE=0`` copies every tensor into vLLM's own parameters."""
+    setting = os.environ.get("TENSORSTREAM_VLLM_IN_PLACE", "").strip().lower()
     return setting not in ("0", "false", "no", "off")
 
 
@@ -253,6 +262,20 @@ class _Reader:
         )
         self.plan = [self.records] if whole else batch_plan(self.records, size, held)
         self.batches = len(self.plan)
+        self._size, self._held = size, held
+        #: ``TensorDeserializer(into=...)`` by key: parameters read into in place
+        self.into: dict[Any, torch.Tensor] = {}
+
+    def fill_in_place(self, into: dict[Any, torch.Tensor]) -> None:
+        """Read the tensors of ``into`` straight into those tensors; batches are sized
+        by what they still hold of their own (in place, a tensor holds nothing)."""
+        self.into = into
+        if into and len(self.plan) > 1:
+            held = self._held or (lambda r: r.data_length)
+            self.plan = batch_plan(
+                self.records, self._size, lambda r: 0 if r.key in into else held(r)
+            )
+            self.batches = len(self.plan)
 
     def _read(self, batch: list) -> list[tuple[str, int, torch.Tensor]]:
         from tensorstream import TensorDeserializer
@@ -262,6 +285,9 @@ class _Reader:
         if len(self.plan) > 1:
             keys = {r.key for r in batch}
             kwargs["filter_func"] = keys.__contains__
+        into = {r.key: self.into[r.key] for r in batch if r.key in self.into}
+        if into:
+            kwargs["into"] = into
         with TensorDeserializer(self.uri, **kwargs) as deserializer:
             if not batch:  # sharded safetensors: plain names, no types
                 out = [(str(n), -1, t.detach()) for n, t in deserializer.items()]
