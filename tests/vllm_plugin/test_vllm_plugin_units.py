@@ -35,6 +35,7 @@ def test_cli_strings_become_bools_and_numbers():
         ({"verify_hash": "maybe"}, ["verify_hash", "maybe"]),
         ({"stream_kwargs": {"bogus": 1}}, ["stream_kwargs", "bogus"]),
         ({"deserialization_kwargs": {"device": "cpu"}}, ["device", "set by vLLM"]),
+        ({"deserialization_kwargs": {"into": {}}}, ["into", "set by vLLM, by the loader"]),
         ({"num_readers": "many"}, ["num_readers", "many"]),
         ({"tensorizer_dri": "/x"}, ["tensorizer_dri"]),
     ],

@@ -175,11 +175,11 @@ class VllmLoadOptions:
             },
             "model_loader_extra_config['deserialization_kwargs']",
         )
-        for reserved in ("device", "dtype", "encryption", "storage"):
+        for reserved in ("device", "dtype", "encryption", "storage", "into"):
             if reserved in deser:
                 raise ConfigError(
                     f"model_loader_extra_config['deserialization_kwargs'][{reserved!r}] is set "
-                    "by vLLM or by the other keys (encryption_keyfile, s3_*); drop it"
+                    "by vLLM, by the loader or by the other keys (encryption_keyfile, s3_*); drop it"
                 )
         deser = checked_deserializer_kwargs(deser)
         return cls(
