@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import os
 import subprocess
 import sys
 import textwrap
@@ -28,6 +30,7 @@ __all__ = [
     "Net",
     "all_tensors",
     "assert_same",
+    "drop_from_page_cache",
     "dtype_matrix",
     "raw_bytes",
     "run_child",
@@ -64,3 +67,14 @@ def run_child(code: str, *args: str, env: dict[str, str] | None = None) -> str:
         f"child exited {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     )
     return proc.stdout
+
+
+def drop_from_page_cache(path: Path) -> None:
+    """Evict ``path`` from the page cache, so the next load finds it cold."""
+    gc.collect()  # tensors of earlier mapped loads keep their pages otherwise
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

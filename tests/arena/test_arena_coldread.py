@@ -9,13 +9,11 @@ before that.
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
 
 import pytest
 import torch
-from _arena_util import assert_same, write_ours, write_theirs
+from _arena_util import assert_same, drop_from_page_cache, write_ours, write_theirs
 
 from tensorstream import TensorDeserializer
 from tensorstream.deserialize.coldread import (
@@ -60,16 +58,6 @@ def _auto_policy(monkeypatch):
     monkeypatch.delenv("TENSORSTREAM_COLD_READ", raising=False)
 
 
-def _drop_from_page_cache(path) -> None:
-    gc.collect()  # tensors of earlier mapped loads keep their pages otherwise
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _warm(path) -> None:
     with open(path, "rb") as f:
         while f.read(8 << 20):
@@ -103,7 +91,7 @@ def test_cold_file_loads_through_the_read_path_bit_identical(path, state, caplog
     want = {k: v.detach().clone() for k, v in warm.items()}  # no grad_fn: no ref to the map
     del warm
 
-    _drop_from_page_cache(path)
+    drop_from_page_cache(path)
     with caplog.at_level(logging.DEBUG, logger="tensorstream"):
         cold, mapped, nbytes = _load(path)
     assert mapped == 0, f"a cold file was mapped ({mapped} bytes viewed), not read"
@@ -140,7 +128,7 @@ def test_env_read_forces_reading_a_warm_file(path, state, monkeypatch, caplog):
 
 def test_env_map_forces_mapping_a_cold_file(path, state, monkeypatch):
     monkeypatch.setenv("TENSORSTREAM_COLD_READ", "map")
-    _drop_from_page_cache(path)
+    drop_from_page_cache(path)
     got, mapped, _ = _load(path)
     assert mapped > 0
     _check_loaded(got, state)
@@ -148,7 +136,7 @@ def test_env_map_forces_mapping_a_cold_file(path, state, monkeypatch):
 
 def test_one_reader_keeps_mapping_a_cold_file(path, state, caplog):
     """Measured: one reader reading a cold file is no faster than the mapping."""
-    _drop_from_page_cache(path)
+    drop_from_page_cache(path)
     with caplog.at_level(logging.DEBUG, logger="tensorstream"):
         got, mapped, _ = _load(path, num_readers=1)
     assert mapped > 0
@@ -206,7 +194,7 @@ def test_both_probes_see_a_warm_file_and_mincore_a_cold_one(tmp_path, state, mon
             monkeypatch.setattr(coldread, "_mincore_truthful", lambda fd: False)
             assert coldread.resident(src.fileno, offsets, m) == (16, 16)
             monkeypatch.undo()
-            _drop_from_page_cache(path)
+            drop_from_page_cache(path)
             assert coldread.resident(src.fileno, offsets, m) == (0, 16)
         finally:
             m.close()
@@ -223,7 +211,7 @@ def test_loads_by_reading_answers_as_the_load_will(path, monkeypatch):
     records = _records(path)
     _warm(path)
     assert not loads_by_reading(str(path), records, readers=4)
-    _drop_from_page_cache(path)
+    drop_from_page_cache(path)
     assert loads_by_reading(str(path), records, readers=4)
     assert not loads_by_reading(str(path), records, readers=1)  # one reader maps
     monkeypatch.setenv("TENSORSTREAM_COLD_READ", "map")

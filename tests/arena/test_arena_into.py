@@ -6,11 +6,10 @@ before anything is read."""
 from __future__ import annotations
 
 import gc
-import os
 
 import pytest
 import torch
-from _arena_util import assert_same, write_ours, write_theirs
+from _arena_util import assert_same, drop_from_page_cache, write_ours, write_theirs
 
 from tensorstream import TensorDeserializer
 from tensorstream.crypto import DecryptionParams, EncryptionParams
@@ -42,15 +41,6 @@ def _check(got, sd, into):
             assert got[name].data_ptr() == dest.data_ptr(), name  # the same memory
 
 
-def _uncache(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("writer", [write_ours, write_theirs], ids=["ours", "theirs"])
 @pytest.mark.parametrize("how", ["cached", "cold", "verify_hash", "no_mmap"])
 def test_local_loads_fill_the_callers_tensors(tmp_path, monkeypatch, writer, how):
@@ -58,7 +48,7 @@ def test_local_loads_fill_the_callers_tensors(tmp_path, monkeypatch, writer, how
     path = writer(tmp_path / "m.tensors", sd)
     if how == "cold":
         monkeypatch.setenv("TENSORSTREAM_COLD_READ", "read")
-        _uncache(path)
+        drop_from_page_cache(path)
     else:
         path.read_bytes()
     into = _dest(sd, ["embed", "odd", "ids", "empty"])
