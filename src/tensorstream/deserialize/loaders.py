@@ -93,6 +93,18 @@ def _cold(source: Source, records: Sequence[TensorRecord], fmap: FileMap, reader
     return read_instead_of_map(fd, records, source.display_uri, readers, fmap.mapping)
 
 
+def _destination(
+    r: TensorRecord, into: Mapping[Any, torch.Tensor], alloc: ArenaAllocator
+) -> torch.Tensor:
+    """Where a tensor that is not a page-cache view goes: the caller's own tensor
+    (``into``), zeros for a meta tensor, else fresh arena memory."""
+    if r.key in into:
+        return into[r.key].zero_() if r.is_meta else into[r.key]
+    if r.is_meta:
+        return torch.zeros(r.shape, dtype=r.dtype)
+    return alloc.empty(r.dtype, r.shape)
+
+
 def _load_cpu(
     source: Source,
     records: Sequence[TensorRecord],
@@ -119,16 +131,12 @@ def _load_cpu(
     dests: list[torch.Tensor | None] = []
     headers: list[bytearray | None] = []
     for i, r in enumerate(records):
-        if r.key in into:
-            dests.append(into[r.key].zero_() if r.is_meta else into[r.key])
-        elif r.is_meta:
-            dests.append(torch.zeros(r.shape, dtype=r.dtype))
-        elif viewable[i]:
+        if viewable[i]:
             assert fmap is not None
             views[i] = fmap.tensor(r)
             dests.append(None)
         else:
-            dests.append(alloc.empty(r.dtype, r.shape))
+            dests.append(_destination(r, into, alloc))
         headers.append(bytearray(r.header_size) if r.header_size and fmap is None else None)
     data_views = [byte_view(d) if d is not None else None for d in dests]
     # fresh memory the readers fill: fault each segment in with one call first (prefault)
@@ -213,14 +221,7 @@ def _decrypt_from_map(
     order = sorted(records, key=lambda r: -r.data_length)
     # Carved here, on one thread, in the order the pool takes them.
     alloc.reserve([r.data_length for r in order if not r.is_meta and r.key not in into])
-    dests = {
-        r.header_offset: (into[r.key].zero_() if r.is_meta else into[r.key])
-        if r.key in into
-        else torch.zeros(r.shape, dtype=r.dtype)
-        if r.is_meta
-        else alloc.empty(r.dtype, r.shape)
-        for r in order
-    }
+    dests = {r.header_offset: _destination(r, into, alloc) for r in order}
 
     def one(r: TensorRecord) -> None:
         if failed.is_set():  # a wrong key fails every tensor: stop at the first

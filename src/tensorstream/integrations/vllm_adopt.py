@@ -148,7 +148,8 @@ class Adopter:
         return {key: param.data for key, param in self._fill.items()}
 
     def untouched(self, params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-        """``params`` less those that will take a view (nothing to prefault there)."""
+        """``params`` less those planned to land in place: a view needs no prefault, and
+        the readers fault in what they read into."""
         return [p for p in params if id(p) not in self._ids]
 
     def adopt(self, name: str, tensor: torch.Tensor) -> bool:
