@@ -142,3 +142,12 @@ def test_two_names_one_memory_is_refused(tmp_path):
     shared = torch.empty(8)
     with pytest.raises(ConfigError, match="share memory"):
         TensorDeserializer(path, device="cpu", into={"a": shared, "b": shared})
+
+
+def test_into_with_shard_slices_is_refused(tmp_path):
+    from tensorstream.deserialize.shard import ShardSpec
+
+    sd = _state()
+    path = write_ours(tmp_path / "m.tensors", sd)
+    with pytest.raises(ConfigError, match="cannot be combined with shard="):
+        TensorDeserializer(path, device="cpu", shard=ShardSpec(0, 2), into=_dest(sd, ["norm"]))
