@@ -440,6 +440,269 @@ def test_streamed_tensors_are_read_straight_into_the_parameters(tmp_path, monkey
     assert torch.equal(model.fused, want["fused"]) and torch.equal(model.packed, want["packed"])
 
 
+class _StackingMapper:
+    """vLLM 0.32's ``WeightsMapper(orig_to_new_stacked=...)`` for the Llama family."""
+
+    stacked = {
+        ".q_proj": (".qkv_proj", "q"),
+        ".k_proj": (".qkv_proj", "k"),
+        ".v_proj": (".qkv_proj", "v"),
+        ".gate_proj": (".gate_up_proj", 0),
+        ".up_proj": (".gate_up_proj", 1),
+    }
+
+    def _map_name_with_shard(self, key):
+        for part, (fused, shard) in self.stacked.items():
+            if part in key:
+                return key.replace(part, fused, 1), shard
+        return key, None
+
+    def map_name(self, key):
+        return self._map_name_with_shard(key)[0]
+
+
+def _fused_model(hidden: int = 16, q: int = 16, kv: int = 8, inter: int = 24, mapper=None):
+    """A stand-in for a vLLM layer with fused q/k/v and gate/up parameters at tensor-parallel
+    size 1 (output_sizes, output_dim and the loaders' qualified names as in vLLM 0.32);
+    ``mapper``: its ``hf_to_vllm_mapper`` (else the parts are found through
+    ``packed_modules_mapping``)."""
+    import torch
+
+    def loader(kind: str):
+        def weight_loader(param, loaded, shard=None):
+            raise AssertionError("in place: vLLM's loader is not called")
+
+        weight_loader.__qualname__ = f"{kind}.weight_loader_v2"
+        return weight_loader
+
+    class ModelWeightParameter(torch.nn.Parameter):
+        pass
+
+    def fused(kind: str, sizes: list[int], bias: bool) -> torch.nn.Module:
+        layer = torch.nn.Module()
+        layer.output_sizes = sizes
+        layer.weight = ModelWeightParameter(torch.empty(sum(sizes), hidden), requires_grad=False)
+        layer.weight.output_dim = 0
+        layer.weight.weight_loader = loader(kind)
+        if bias:
+            layer.bias = torch.nn.Parameter(torch.empty(sum(sizes)), requires_grad=False)
+            layer.bias.output_dim = 0
+            layer.bias.weight_loader = loader(kind)
+        return layer
+
+    class Model(torch.nn.Module):
+        packed_modules_mapping = {
+            "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+            "gate_up_proj": ["gate_proj", "up_proj"],
+        }
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = torch.nn.Module()
+            self.attn.qkv_proj = fused("QKVParallelLinear", [q, kv, kv], bias=True)
+            self.mlp = torch.nn.Module()
+            self.mlp.gate_up_proj = fused("MergedColumnParallelLinear", [inter, inter], False)
+            if mapper is not None:
+                self.hf_to_vllm_mapper = mapper
+            self.seen: list[str] = []
+
+        def load_weights(self, weights):
+            for name, _ in weights:
+                self.seen.append(name)
+            return set(self.seen)
+
+    return Model()
+
+
+@pytest.mark.parametrize("cached", [True, False], ids=["cached-views", "verify-hash"])
+def test_fused_parameters_are_filled_part_by_part_in_place(tmp_path, monkeypatch, cached):
+    """Issue #11: q/k/v and gate/up are read straight into their rows of vLLM's fused
+    parameters (vLLM's loaders never see them), also from a cached file whose other
+    tensors are views; the fused parameters need no prefault."""
+    import torch
+
+    from tensorstream import TensorSerializer
+    from tensorstream.integrations.vllm_adopt import Adopter
+    from tensorstream.integrations.vllm_loader import _feed_load_weights, _Reader
+
+    monkeypatch.delenv("TENSORSTREAM_COLD_READ", raising=False)
+    want = {
+        "attn.q_proj.weight": torch.randn(16, 16),
+        "attn.k_proj.weight": torch.randn(8, 16),
+        "attn.v_proj.weight": torch.randn(8, 16),
+        "attn.q_proj.bias": torch.randn(16),
+        "attn.k_proj.bias": torch.randn(8),
+        "attn.v_proj.bias": torch.randn(8),
+        "mlp.gate_proj.weight": torch.randn(24, 16),
+        "mlp.up_proj.weight": torch.randn(24, 16),
+    }
+    path = tmp_path / "model.tensors"
+    with TensorSerializer(str(path)) as s:
+        s.write_state_dict(want)
+    path.read_bytes()
+    kwargs = {"device": torch.device("cpu"), "num_readers": 2, "use_mmap": True}
+    if not cached:
+        kwargs["verify_hash"] = True
+    reader = _Reader(str(path), kwargs, None)
+    assert bool(reader.viewed) == cached
+
+    model = _fused_model()
+    adopter = Adopter(model, reader.records, reader.viewed)
+    assert len(adopter.destinations()) == len(want)  # every part, views or not
+    assert adopter.untouched(model.parameters()) == []
+    reader.fill_in_place(adopter.destinations())
+    memory = {name: p.data_ptr() for name, p in model.named_parameters()}
+    assert _feed_load_weights(model, reader.tensors(), str(path), adopter) == len(want)
+    assert model.seen == []
+    assert adopter.adopted == len(want) and adopter.viewed_bytes == 0
+    assert adopter.nbytes == sum(t.nbytes for t in want.values())
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == memory
+    qkv, gate_up = model.attn.qkv_proj, model.mlp.gate_up_proj
+    for kind in ("weight", "bias"):
+        parts = [want[f"attn.{p}_proj.{kind}"] for p in "qkv"]
+        assert torch.equal(getattr(qkv, kind), torch.cat(parts))
+    assert torch.equal(
+        gate_up.weight, torch.cat([want["mlp.gate_proj.weight"], want["mlp.up_proj.weight"]])
+    )
+
+
+def test_cached_fused_parts_become_one_mapping_of_their_pages(tmp_path, monkeypatch):
+    """Issue #11: from a cached file of ours, page-aligned q/k/v (gate/up) are mapped side
+    by side as the fused parameter's data (no fresh memory, no copy); parts too small to
+    be page-aligned (the biases here) are read into their rows."""
+    import torch
+
+    from tensorstream import TensorSerializer
+    from tensorstream.integrations.vllm_adopt import Adopter
+    from tensorstream.integrations.vllm_loader import _feed_load_weights, _Reader
+
+    monkeypatch.delenv("TENSORSTREAM_COLD_READ", raising=False)
+    want = {
+        "attn.q_proj.weight": torch.randn(64, 512),  # 128 KiB: page-aligned in the file
+        "attn.k_proj.weight": torch.randn(32, 512),
+        "attn.v_proj.weight": torch.randn(32, 512),
+        "attn.q_proj.bias": torch.randn(64),  # 256 bytes: 64-byte aligned only
+        "attn.k_proj.bias": torch.randn(32),
+        "attn.v_proj.bias": torch.randn(32),
+        "mlp.gate_proj.weight": torch.randn(32, 512),
+        "mlp.up_proj.weight": torch.randn(32, 512),
+    }
+    path = tmp_path / "model.tensors"
+    with TensorSerializer(str(path)) as s:
+        s.write_state_dict(want)
+    before = path.read_bytes()  # and cached
+    kwargs = {"device": torch.device("cpu"), "num_readers": 2, "use_mmap": True}
+    reader = _Reader(str(path), kwargs, None)
+    assert reader.viewed_path == str(path)
+
+    model = _fused_model(hidden=512, q=64, kv=32, inter=32, mapper=_StackingMapper())
+    qkv, gate_up = model.attn.qkv_proj, model.mlp.gate_up_proj
+    fresh = qkv.weight.data_ptr()
+    adopter = Adopter(model, reader.records, reader.viewed, path=reader.viewed_path)
+    into = {r.name for r in reader.records if r.key in adopter.destinations()}
+    assert into == {"attn.q_proj.bias", "attn.k_proj.bias", "attn.v_proj.bias"}
+    assert adopter.untouched(model.parameters()) == []
+    assert qkv.weight.data_ptr() != fresh  # the file's pages now
+    assert qkv.weight.untyped_storage().nbytes() == qkv.weight.nbytes  # exactly its bytes
+
+    reader.fill_in_place(adopter.destinations())
+    assert _feed_load_weights(model, reader.tensors(), str(path), adopter) == len(want)
+    assert model.seen == []
+    weights = [n for n in want if n.endswith("weight")]
+    assert adopter.adopted == len(want)
+    assert adopter.viewed_bytes == sum(want[n].nbytes for n in weights)
+    for kind in ("weight", "bias"):
+        parts = [want[f"attn.{p}_proj.{kind}"] for p in "qkv"]
+        assert torch.equal(getattr(qkv, kind), torch.cat(parts))
+    assert torch.equal(
+        gate_up.weight, torch.cat([want["mlp.gate_proj.weight"], want["mlp.up_proj.weight"]])
+    )
+    gate_up.weight.data.fill_(1.0)  # copy-on-write: the file stays as written
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("mapper", [None, _StackingMapper()], ids=["packed-mapping", "stacked"])
+def test_uncached_fused_parts_are_read_into_their_rows(tmp_path, mapper):
+    """Without views (here verify_hash) the same parts are read into their rows, whether
+    vLLM's mapper names their shards or the model's packed_modules_mapping does."""
+    import torch
+
+    from tensorstream import TensorSerializer
+    from tensorstream.integrations.vllm_adopt import Adopter
+    from tensorstream.integrations.vllm_loader import _feed_load_weights, _Reader
+
+    want = {
+        "attn.q_proj.weight": torch.randn(64, 512),
+        "attn.k_proj.weight": torch.randn(32, 512),
+        "attn.v_proj.weight": torch.randn(32, 512),
+        "mlp.gate_proj.weight": torch.randn(32, 512),
+        "mlp.up_proj.weight": torch.randn(32, 512),
+    }
+    path = tmp_path / "model.tensors"
+    with TensorSerializer(str(path)) as s:
+        s.write_state_dict(want)
+    kwargs = {"device": torch.device("cpu"), "verify_hash": True, "use_mmap": True}
+    reader = _Reader(str(path), kwargs, None)
+    assert reader.viewed_path is None
+    model = _fused_model(hidden=512, q=64, kv=32, inter=32, mapper=mapper)
+    memory = model.attn.qkv_proj.weight.data_ptr()
+    adopter = Adopter(model, reader.records, reader.viewed, path=reader.viewed_path)
+    assert len(adopter.destinations()) == len(want)
+    reader.fill_in_place(adopter.destinations())
+    assert _feed_load_weights(model, reader.tensors(), str(path), adopter) == len(want)
+    assert model.seen == [] and adopter.viewed_bytes == 0
+    qkv = model.attn.qkv_proj.weight
+    assert qkv.data_ptr() == memory
+    assert torch.equal(qkv, torch.cat([want[f"attn.{p}_proj.weight"] for p in "qkv"]))
+
+
+def test_fused_parts_go_to_vllm_where_the_rows_are_not_known(tmp_path):
+    """Parts are left to vLLM's loaders at tensor-parallel size 2, when the layer's sizes
+    do not add up to the parameter, when a part's shape or dtype differs, and for a
+    packing in another order."""
+    import torch
+
+    from tensorstream import TensorSerializer
+    from tensorstream.integrations.vllm_adopt import Adopter
+    from tensorstream.integrations.vllm_loader import _Reader
+
+    want = {
+        "attn.q_proj.weight": torch.randn(16, 16),
+        "attn.k_proj.weight": torch.randn(8, 16),
+        "attn.v_proj.weight": torch.randn(8, 16),
+        "mlp.gate_proj.weight": torch.randn(24, 16),
+        "mlp.up_proj.weight": torch.randn(24, 16, dtype=torch.float64),
+    }
+    path = tmp_path / "model.tensors"
+    with TensorSerializer(str(path)) as s:
+        s.write_state_dict(want)
+    kwargs = {"device": torch.device("cpu"), "verify_hash": True}
+    records = _Reader(str(path), kwargs, None).records
+
+    def planned(model, world_size=1):
+        adopter = Adopter(model, records, set(), world_size)
+        return sorted(r.name for r in records if r.key in adopter.destinations())
+
+    model = _fused_model()
+    assert planned(model) == [
+        "attn.k_proj.weight",
+        "attn.q_proj.weight",
+        "attn.v_proj.weight",
+        "mlp.gate_proj.weight",  # up_proj is float64 in the file: a cast, not in place
+    ]
+    adopter = Adopter(model, records, set())
+    untouched = {id(p) for p in adopter.untouched(model.parameters())}
+    assert id(model.mlp.gate_up_proj.weight) in untouched  # vLLM still copies up_proj
+    assert id(model.attn.qkv_proj.weight) not in untouched
+    assert planned(model, world_size=2) == []
+    model.attn.qkv_proj.output_sizes = [16, 8, 16]  # not the parameter's rows
+    model.mlp.gate_up_proj.output_sizes = [16, 32]  # gate_proj is 24 rows in the file
+    assert planned(model) == []
+    model = _fused_model()
+    type(model).packed_modules_mapping = {"qkv_proj": ["k_proj", "q_proj", "v_proj"]}
+    assert planned(model) == []
+
+
 def test_only_verbatim_weight_loaders_adopt_and_only_at_tensor_parallel_size_one():
     import torch
 

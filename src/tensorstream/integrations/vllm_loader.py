@@ -149,6 +149,7 @@ class TensorstreamModelLoader(BaseModelLoader):
                 world_size,
                 reader.vllm_tensorized,
                 kwargs.get("dtype"),
+                reader.viewed_path,
             )
             reader.fill_in_place(adopter.destinations())
         params = list(model.parameters())
@@ -178,9 +179,9 @@ class TensorstreamModelLoader(BaseModelLoader):
         # vLLM's default loader logs the same sentence; benchmarks read both alike.
         logger.info(
             "Loading weights took %.2f seconds (tensorstream: %d tensors, %.3f GB from %s "
-            "in %d batch(es); %d parameter(s), %.3f GB, in place: %.3f GB page-cache views, "
-            "the rest read into them; %.3f GB prefaulted in %.2f s; read %.2f s, overlapped "
-            "with filling the model)",
+            "in %d batch(es); in place: %d tensor(s), %.3f GB, of which %.3f GB page-cache "
+            "views, the rest read into vLLM's parameters; %.3f GB prefaulted in %.2f s; "
+            "read %.2f s, overlapped with filling the model)",
             end - start,
             loaded,
             reader.nbytes / 1e9,
@@ -232,8 +233,10 @@ class _Reader:
         mapped = local and viewed and kwargs["device"].type == "cpu" and kwargs.get("use_mmap")
         size = batch_bytes or batch_bytes_for(self.nbytes)
         held = None  # every byte read is held until its batch is consumed
-        #: keys of the records handed out as page-cache views (:mod:`.vllm_adopt`)
+        #: keys of the records handed out as page-cache views (:mod:`.vllm_adopt`), and
+        #: the local file they view
         self.viewed: set[Any] = set()
+        self.viewed_path: str | None = None
         if mapped:  # a cold file is read, not viewed (issue #12): batches bound what is held
             from tensorstream.deserialize.coldread import loads_by_reading, viewable
 
@@ -252,6 +255,7 @@ class _Reader:
                     for r in self.records
                     if id(r) in views and (dtype is None or r.dtype == dtype)
                 }
+                self.viewed_path = path if self.viewed else None
                 if copied > size:  # cached, but copies to bound: views hold nothing of their own
                     mapped = False
                     held = lambda r: 0 if id(r) in views else r.data_length  # noqa: E731

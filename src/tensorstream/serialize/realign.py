@@ -5,7 +5,8 @@ variable-length header, so most tensors start at odd offsets and a CPU load has 
 copy them instead of viewing the page cache. ``realign`` rewrites the file the way
 ``TensorSerializer(align=64)`` lays it out: the same index, headers and tensor bytes,
 with zero padding before each header's ``data_length`` field so every tensor's data
-starts on a 64-byte boundary. tensorizer's reader finds ``data_length`` in a header's
+starts on a 64-byte boundary (a page boundary for tensors of 64 KiB or more:
+``layout.data_alignment``). tensorizer's reader finds ``data_length`` in a header's
 last 8 bytes, so it reads the result as before.
 
 The hashes cover the whole header (its size field and padding included), so each one
@@ -35,6 +36,7 @@ from tensorstream.formats.tensorizer import (
     unpack_metadata,
     unpack_tensor_header,
 )
+from tensorstream.serialize.layout import data_alignment
 from tensorstream.sources.base import Sink, Source, StorageOptions
 from tensorstream.utils.checksum import crc32
 
@@ -137,7 +139,9 @@ def _rewrite(
         base = tensor_header_size(
             parsed.raw_name, parsed.dtype, parsed.shape, types, None, e.long_shape
         )
-        padding = (-(position + base)) % align if e.data_length else 0
+        padding = (
+            (-(position + base)) % data_alignment(align, e.data_length) if e.data_length else 0
+        )
         data_offset = position + base + padding
         moved += e.data_length > 0 and e.data_offset % align != 0
         new_entries[e.header_offset] = IndexEntry(

@@ -72,8 +72,10 @@ class TensorSerializer:
         limit_cpu_concurrency: cap on hashing/encryption threads (default: CPU count).
         storage: credentials and endpoints for remote targets.
         align: byte alignment of tensor data. The default (64) lets loaders map the
-            file without copying; tensorizer reads it unchanged. ``1`` reproduces
-            tensorizer's output byte for byte.
+            file without copying; tensors of 64 KiB or more start on a page (4096)
+            whatever ``align`` above 1, so that the vLLM plugin can map fused q/k/v
+            side by side. tensorizer reads it unchanged. ``1`` reproduces tensorizer's
+            output byte for byte.
         progress: show a progress bar with bytes and GB/s.
         manifest: write an authenticated manifest beside the file (``<target>.manifest``,
             see ``tensorstream.crypto.manifest``) binding every tensor's name, dtype,
