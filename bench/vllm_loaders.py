@@ -12,9 +12,10 @@ request. Per case it reports
   timed around each loader class's ``load_model``;
 * ``load_weights``: the weights part alone where the loader has one (every loader
   but vLLM's tensorizer, which overrides ``load_model``);
-* peak RSS gain: the process's peak resident memory after ``load_weights`` less its
-  resident memory before (the model's parameters are untouched until loaded, so
-  this is the model plus whatever the loader held beside it).
+* peak RSS gain: the process's peak resident memory during ``load_weights`` (the
+  kernel's ``VmHWM``, reset as it starts) less its resident memory before. The model's
+  parameters are untouched until loaded, so this is the model plus whatever the loader
+  held beside it; mapped page-cache pages count once touched.
 
 Cases: local safetensors (vLLM's default), local tensorized (vLLM's
 ``tensorizer`` and ours), S3 (SeaweedFS on loopback) with vLLM's
@@ -73,6 +74,8 @@ def _child(case: dict) -> None:
 
         @functools.wraps(original)
         def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if name == "load_weights":
+                _reset_peak_rss()  # the peak from here on, not the process's whole life
             rss = _rss_bytes()
             start = time.perf_counter()
             try:
@@ -109,7 +112,25 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS mark (``VmHWM``; Linux 4.0+), so that the peak read
+    after ``load_weights`` is that of the load, not an earlier one of vLLM's start-up."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass  # then the peak may predate the load (see _peak_rss_bytes)
+
+
 def _peak_rss_bytes() -> int:
+    """The process's peak RSS since the last :func:`_reset_peak_rss` (``VmHWM``)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

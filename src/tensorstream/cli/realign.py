@@ -2,7 +2,8 @@
 
 Files written by tensorizer or vLLM put most tensors at odd offsets, which CPU loads
 must copy; the realigned file is what ``tensorstream serialize`` would have written
-(64-byte aligned data) and loads as page-cache views. tensorizer reads it unchanged.
+(64-byte aligned data, page-aligned for tensors of 64 KiB or more) and loads as
+page-cache views. tensorizer reads it unchanged.
 """
 
 from __future__ import annotations
