@@ -98,6 +98,12 @@ def test_closed_pipe_exits_quietly(tmp_path: Path) -> None:
     assert stderr == ""
 
 
+def _sigint_as_in_a_terminal() -> None:
+    """A background job (``make test &``, ``nohup``) inherits SIGINT ignored, and Python
+    then leaves it ignored, so Ctrl-C would do nothing: give the command the usual action."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.integration
 def test_keyboard_interrupt_is_one_line(http_server, fault_proxy, small_file: Path) -> None:
     name = "hardening-cli-interrupt.tensors"
@@ -111,6 +117,7 @@ def test_keyboard_interrupt_is_one_line(http_server, fault_proxy, small_file: Pa
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        preexec_fn=_sigint_as_in_a_terminal,
     )
     deadline = time.monotonic() + 60
     while proxy.stats.requests < 1:  # the command is now blocked on the network
