@@ -514,6 +514,25 @@ def _fused_model(hidden: int = 16, q: int = 16, kv: int = 8, inter: int = 24, ma
     return Model()
 
 
+def _fused_checkpoint(tmp_path, hidden=16, q=16, kv=8, inter=24, bias=True, up_dtype=None):
+    """The Hugging Face q/k/v (and biases) and gate/up tensors of :func:`_fused_model`'s
+    sizes, written to ``model.tensors`` by our writer: (tensors, path)."""
+    import torch
+
+    from tensorstream import TensorSerializer
+
+    rows = {"q": q, "k": kv, "v": kv}
+    want = {f"attn.{p}_proj.weight": torch.randn(n, hidden) for p, n in rows.items()}
+    if bias:
+        want.update({f"attn.{p}_proj.bias": torch.randn(n) for p, n in rows.items()})
+    want["mlp.gate_proj.weight"] = torch.randn(inter, hidden)
+    want["mlp.up_proj.weight"] = torch.randn(inter, hidden, dtype=up_dtype)
+    path = tmp_path / "model.tensors"
+    with TensorSerializer(str(path)) as s:
+        s.write_state_dict(want)
+    return want, path
+
+
 @pytest.mark.parametrize("cached", [True, False], ids=["cached-views", "verify-hash"])
 def test_fused_parameters_are_filled_part_by_part_in_place(tmp_path, monkeypatch, cached):
     """Issue #11: q/k/v and gate/up are read straight into their rows of vLLM's fused
@@ -521,24 +540,11 @@ def test_fused_parameters_are_filled_part_by_part_in_place(tmp_path, monkeypatch
     tensors are views; the fused parameters need no prefault."""
     import torch
 
-    from tensorstream import TensorSerializer
     from tensorstream.integrations.vllm_adopt import Adopter
     from tensorstream.integrations.vllm_loader import _feed_load_weights, _Reader
 
     monkeypatch.delenv("TENSORSTREAM_COLD_READ", raising=False)
-    want = {
-        "attn.q_proj.weight": torch.randn(16, 16),
-        "attn.k_proj.weight": torch.randn(8, 16),
-        "attn.v_proj.weight": torch.randn(8, 16),
-        "attn.q_proj.bias": torch.randn(16),
-        "attn.k_proj.bias": torch.randn(8),
-        "attn.v_proj.bias": torch.randn(8),
-        "mlp.gate_proj.weight": torch.randn(24, 16),
-        "mlp.up_proj.weight": torch.randn(24, 16),
-    }
-    path = tmp_path / "model.tensors"
-    with TensorSerializer(str(path)) as s:
-        s.write_state_dict(want)
+    want, path = _fused_checkpoint(tmp_path)
     path.read_bytes()
     kwargs = {"device": torch.device("cpu"), "num_readers": 2, "use_mmap": True}
     if not cached:
@@ -572,24 +578,13 @@ def test_cached_fused_parts_become_one_mapping_of_their_pages(tmp_path, monkeypa
     be page-aligned (the biases here) are read into their rows."""
     import torch
 
-    from tensorstream import TensorSerializer
     from tensorstream.integrations.vllm_adopt import Adopter
     from tensorstream.integrations.vllm_loader import _feed_load_weights, _Reader
 
     monkeypatch.delenv("TENSORSTREAM_COLD_READ", raising=False)
-    want = {
-        "attn.q_proj.weight": torch.randn(64, 512),  # 128 KiB: page-aligned in the file
-        "attn.k_proj.weight": torch.randn(32, 512),
-        "attn.v_proj.weight": torch.randn(32, 512),
-        "attn.q_proj.bias": torch.randn(64),  # 256 bytes: 64-byte aligned only
-        "attn.k_proj.bias": torch.randn(32),
-        "attn.v_proj.bias": torch.randn(32),
-        "mlp.gate_proj.weight": torch.randn(32, 512),
-        "mlp.up_proj.weight": torch.randn(32, 512),
-    }
-    path = tmp_path / "model.tensors"
-    with TensorSerializer(str(path)) as s:
-        s.write_state_dict(want)
+    # q 128 KiB, k/v/gate/up 64 KiB: page-aligned in the file; the biases (256 and 128
+    # bytes) only 64-byte aligned
+    want, path = _fused_checkpoint(tmp_path, hidden=512, q=64, kv=32, inter=32)
     before = path.read_bytes()  # and cached
     kwargs = {"device": torch.device("cpu"), "num_readers": 2, "use_mmap": True}
     reader = _Reader(str(path), kwargs, None)
@@ -627,20 +622,10 @@ def test_uncached_fused_parts_are_read_into_their_rows(tmp_path, mapper):
     vLLM's mapper names their shards or the model's packed_modules_mapping does."""
     import torch
 
-    from tensorstream import TensorSerializer
     from tensorstream.integrations.vllm_adopt import Adopter
     from tensorstream.integrations.vllm_loader import _feed_load_weights, _Reader
 
-    want = {
-        "attn.q_proj.weight": torch.randn(64, 512),
-        "attn.k_proj.weight": torch.randn(32, 512),
-        "attn.v_proj.weight": torch.randn(32, 512),
-        "mlp.gate_proj.weight": torch.randn(32, 512),
-        "mlp.up_proj.weight": torch.randn(32, 512),
-    }
-    path = tmp_path / "model.tensors"
-    with TensorSerializer(str(path)) as s:
-        s.write_state_dict(want)
+    want, path = _fused_checkpoint(tmp_path, hidden=512, q=64, kv=32, inter=32, bias=False)
     kwargs = {"device": torch.device("cpu"), "verify_hash": True, "use_mmap": True}
     reader = _Reader(str(path), kwargs, None)
     assert reader.viewed_path is None
@@ -662,20 +647,11 @@ def test_fused_parts_go_to_vllm_where_the_rows_are_not_known(tmp_path):
     packing in another order."""
     import torch
 
-    from tensorstream import TensorSerializer
     from tensorstream.integrations.vllm_adopt import Adopter
     from tensorstream.integrations.vllm_loader import _Reader
 
-    want = {
-        "attn.q_proj.weight": torch.randn(16, 16),
-        "attn.k_proj.weight": torch.randn(8, 16),
-        "attn.v_proj.weight": torch.randn(8, 16),
-        "mlp.gate_proj.weight": torch.randn(24, 16),
-        "mlp.up_proj.weight": torch.randn(24, 16, dtype=torch.float64),
-    }
-    path = tmp_path / "model.tensors"
-    with TensorSerializer(str(path)) as s:
-        s.write_state_dict(want)
+    # up_proj float64 in the file: a cast, not in place
+    _, path = _fused_checkpoint(tmp_path, bias=False, up_dtype=torch.float64)
     kwargs = {"device": torch.device("cpu"), "verify_hash": True}
     records = _Reader(str(path), kwargs, None).records
 
