@@ -4,6 +4,7 @@ the writer's page alignment that makes it possible (serialize/layout.data_alignm
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 
 import pytest
@@ -97,19 +98,22 @@ def test_the_last_part_may_end_inside_a_page(tmp_path):
     assert torch.equal(raw.view(torch.float32), want)
 
 
+PAGE_HERE = mmap.PAGESIZE  # what mappings are made of on this machine
+
+
 @pytest.mark.parametrize(
     "ranges",
     [
-        [(PAGE + 64, PAGE), (4 * PAGE, PAGE)],  # a part off a page
-        [(0, PAGE + 4), (4 * PAGE, PAGE)],  # a middle part not whole pages
-        [(0, 0), (PAGE, PAGE)],  # an empty part
+        [(PAGE_HERE + 64, PAGE_HERE), (4 * PAGE_HERE, PAGE_HERE)],  # a part off a page
+        [(0, PAGE_HERE + 4), (4 * PAGE_HERE, PAGE_HERE)],  # a middle part not whole pages
+        [(0, 0), (PAGE_HERE, PAGE_HERE)],  # an empty part
         [],
     ],
     ids=["offset", "length", "empty", "none"],
 )
 def test_ranges_that_cannot_be_mapped_side_by_side_are_refused(tmp_path, ranges):
     path = tmp_path / "f"
-    path.write_bytes(bytes(8 * PAGE))
+    path.write_bytes(bytes(8 * PAGE_HERE))
     assert not stitchable(ranges)
     fd = os.open(path, os.O_RDONLY)
     try:

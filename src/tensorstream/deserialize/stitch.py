@@ -25,12 +25,13 @@ from collections.abc import Sequence
 
 import torch
 
-from tensorstream.serialize.layout import PAGE
-
 __all__ = ["stitch", "stitchable"]
 
 log = logging.getLogger("tensorstream")
 
+#: This machine's page size: what mappings are made of. Our writer page-aligns to 4 KiB,
+#: so on a kernel with larger pages the parts are read instead.
+_PAGE = mmap.PAGESIZE
 # Linux's values; Python's mmap module exports neither
 _PROT_NONE = 0
 _MAP_FIXED = 0x10
@@ -42,8 +43,8 @@ def stitchable(ranges: Sequence[tuple[int, int]]) -> bool:
     starts on a page, and every one but the last is whole pages long."""
     return (
         bool(ranges)
-        and all(length > 0 and offset % PAGE == 0 for offset, length in ranges)
-        and all(length % PAGE == 0 for _, length in ranges[:-1])
+        and all(length > 0 and offset % _PAGE == 0 for offset, length in ranges)
+        and all(length % _PAGE == 0 for _, length in ranges[:-1])
     )
 
 
@@ -73,7 +74,7 @@ def stitch(fd: int, ranges: Sequence[tuple[int, int]]) -> torch.Tensor | None:
     if libc is None:
         return None
     total = sum(length for _, length in ranges)
-    span = -(-total // PAGE) * PAGE
+    span = -(-total // _PAGE) * _PAGE
     base = libc.mmap(None, span, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
     if base in (None, _MAP_FAILED):
         return None

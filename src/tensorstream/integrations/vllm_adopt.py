@@ -15,12 +15,15 @@ loader that copies verbatim at this tensor-parallel size), it lands there direct
   gone to fresh memory first and been copied from there.
 
 The fused ``qkv_proj``/``gate_up_proj`` parameters are filled from several tensors
-(q/k/v, gate/up). At tensor-parallel size 1 each part is read straight into its rows of
-the fused parameter, where vLLM's own loader would have put it: the part's shard id
-from the model's ``hf_to_vllm_mapper`` (or, for a mapper that does not stack, its place
-in ``packed_modules_mapping``), its rows from the layer's ``output_sizes``. Never a view:
-the parts lie apart in the file. Elsewhere (tensor parallelism, quantized classes, other
-packings) vLLM's loaders still copy them.
+(q/k/v, gate/up). At tensor-parallel size 1 each part lands in the rows of the fused
+parameter where vLLM's own loader would have put it: the part's shard id from the
+model's ``hf_to_vllm_mapper`` (or, for a mapper that does not stack, its place in
+``packed_modules_mapping``), its rows from the layer's ``output_sizes``. When every part
+is a page-cache view starting on a page (our writer page-aligns large tensors), their
+pages are mapped side by side and become the parameter's data
+(:mod:`tensorstream.deserialize.stitch`); otherwise each part is read into its rows.
+Elsewhere (tensor parallelism, quantized classes, other packings) vLLM's loaders still
+copy them.
 
 A view is a private, writable mapping of the file (copy-on-write): vLLM may repack or
 modify the weight, and the file is never written. Its storage is exactly the tensor's
@@ -239,8 +242,8 @@ class Adopter:
         for name, planned in fused.values():
             param = params[name]
             layer = model.get_submodule(name.rpartition(".")[0])
-            whole = len(planned) == len(layer.output_sizes)
-            if whole:
+            places = {row for row, _ in planned}  # one part per place, every place
+            if len(places) == len(planned) == len(layer.output_sizes):
                 taken.add(id(param))  # every part lands in it: nothing left to copy
                 if path is not None and all(r.key in viewed for _, r in planned):
                     if self._stitch(param, planned, path):
