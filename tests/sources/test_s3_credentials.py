@@ -219,3 +219,29 @@ def test_failing_aws_chain_is_access_denied(monkeypatch) -> None:
     monkeypatch.setenv("AWS_METADATA_SERVICE_NUM_ATTEMPTS", "1")
     with pytest.raises(AccessDeniedError, match="default credential chain"):
         resolve_s3_credentials()
+
+
+def test_one_botocore_session_per_settings(monkeypatch, clean_env) -> None:
+    """A botocore session (~12 ms to make) is made once for the same AWS settings and
+    again when they change: an AWS_* variable, or the config file rewritten."""
+    import os
+
+    from tensorstream.sources import credentials
+
+    monkeypatch.setattr(credentials, "_SESSIONS", {})
+    config = clean_env / "aws-config"
+    config.write_text("[default]\nregion = eu-west-3\n")
+    assert resolve_s3_credentials().region == "eu-west-3"
+    assert resolve_s3_credentials().region == "eu-west-3"
+    assert len(credentials._SESSIONS) == 1  # the second resolve reused the session
+
+    monkeypatch.setenv("AWS_PROFILE", "other")
+    config.write_text("[default]\nregion = eu-west-3\n[profile other]\nregion = ap-south-1\n")
+    assert resolve_s3_credentials().region == "ap-south-1"
+    assert len(credentials._SESSIONS) == 2
+
+    config.write_text("[default]\nregion = eu-west-3\n[profile other]\nregion = sa-east-1\n")
+    stat = config.stat()  # a rewrite within the clock's resolution still changes the size
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert resolve_s3_credentials().region == "sa-east-1"
+    assert len(credentials._SESSIONS) == 3
