@@ -165,15 +165,22 @@ _SESSIONS: dict[tuple[Any, ...], Any] = {}
 _SESSIONS_LOCK = threading.RLock()
 
 
+def _aws_files() -> list[str]:
+    """The AWS config and shared-credentials files botocore would read."""
+    return [
+        os.path.expanduser(os.environ.get(name) or default)
+        for name, default in (
+            ("AWS_CONFIG_FILE", "~/.aws/config"),
+            ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
+        )
+    ]
+
+
 def _session_key() -> tuple[Any, ...]:
     """What a botocore session is made from: a change to any of it makes a new one."""
     aws = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
     files = []
-    for name, default in (
-        ("AWS_CONFIG_FILE", "~/.aws/config"),
-        ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"),
-    ):
-        path = os.path.expanduser(os.environ.get(name) or default)
+    for path in _aws_files():
         try:
             stat = os.stat(path)
             files.append((path, stat.st_mtime_ns, stat.st_size))
@@ -211,6 +218,8 @@ class _Botocore:
             return session.get_credentials()
 
     def scoped(self, name: str) -> str | None:
+        if not any(os.path.exists(path) for path in _aws_files()):
+            return None  # a profile's settings live only there: no botocore to import
         try:
             session = self.session()
             with _SESSIONS_LOCK:

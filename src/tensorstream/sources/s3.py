@@ -147,13 +147,9 @@ class S3Source(RangedSource):
         keys = self._creds.keys()
         if keys is None:
             return self._url, headers
-        from botocore.auth import S3SigV4Auth
-        from botocore.awsrequest import AWSRequest
-        from botocore.credentials import Credentials
+        from tensorstream.sources.sigv4 import sign_s3
 
-        request = AWSRequest(method=method, url=self._url, headers=headers)
-        S3SigV4Auth(Credentials(*keys), "s3", self._creds.region).add_auth(request)
-        return self._url, dict(request.headers.items())
+        return self._url, sign_s3(method, self._url, headers, keys, self._creds.region)
 
     def _error(self, status: int, body: bytes, probing: bool) -> SourceError | None:
         code = _xml_field(body, "Code")
