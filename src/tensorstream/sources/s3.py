@@ -1,7 +1,8 @@
 """S3-compatible object storage: SigV4-signed ranged reads and an atomic multipart sink.
 
 Owns ``S3Source`` (reads) and ``S3Sink`` (writes). Reads sign each ranged GET
-with SigV4 in the ``Authorization`` header (no presigned URLs, so no signature
+with SigV4 (``sigv4.sign_s3``, no botocore import) in the ``Authorization`` header
+(no presigned URLs, so no signature
 ever sits in a URL or a log line) and stream it through the same engine as
 HTTP (``ranged.RangedHttp``): ``readinto`` straight into the caller's memory,
 resume after a cut, bounded retries, ETag checks. Measured on SeaweedFS this
