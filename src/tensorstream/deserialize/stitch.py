@@ -17,6 +17,7 @@ anything unexpected gives ``None`` and the caller copies instead.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import sys
@@ -48,6 +49,7 @@ def stitchable(ranges: Sequence[tuple[int, int]]) -> bool:
     )
 
 
+@functools.cache  # one lookup per process, not one per fused parameter
 def _libc() -> ctypes.CDLL | None:
     if not sys.platform.startswith("linux"):
         return None

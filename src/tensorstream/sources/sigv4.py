@@ -75,12 +75,14 @@ def sign_s3(
     """
     amz_date = amz_date or time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     access_key, secret, token = keys
-    out = {k: v for k, v in headers.items() if k.lower() not in ("authorization", "x-amz-date")}
+    # the caller's signature headers are replaced (a session token only when there is one)
+    replaced = {"authorization", "x-amz-date", "x-amz-content-sha256"}
+    if token:
+        replaced.add("x-amz-security-token")
+    out = {k: v for k, v in headers.items() if k.lower() not in replaced}
     out["X-Amz-Date"] = amz_date
     if token:
-        out = {k: v for k, v in out.items() if k.lower() != "x-amz-security-token"}
         out["X-Amz-Security-Token"] = token
-    out = {k: v for k, v in out.items() if k.lower() != "x-amz-content-sha256"}
     out["X-Amz-Content-SHA256"] = _EMPTY_SHA256
 
     signed: dict[str, list[str]] = {}
