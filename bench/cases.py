@@ -209,6 +209,10 @@ def _remote_cases() -> None:
         register(Case(f"urllib3-http-t{n}", "reference", "load", "urllib3_ranged", "safetensors",
                       source="http", params={"threads": n},
                       note=f"{n} ranged GETs readinto one pre-touched buffer"))  # fmt: skip
+        register(Case(f"socket-http-t{n}-fresh", "reference", "load", "socket_ranged",
+                      "safetensors", source="http", params={"threads": n},
+                      note=f"{n} raw-socket ranged GETs recv_into fresh memory: the ceiling "
+                           "for a loader that fills new pages"))  # fmt: skip
     register(Case("runai-s3", "runai", "load", "runai_load", "safetensors", source="s3",
                   note="SafetensorsStreamer, default concurrency"))  # fmt: skip
     for n in (4, 8):

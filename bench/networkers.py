@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.workers import Spec, Timed, _import
 
-__all__ = ["boto3_ranged", "runai_load", "s3_serialize", "urllib3_ranged"]
+__all__ = ["boto3_ranged", "runai_load", "s3_serialize", "socket_ranged", "urllib3_ranged"]
 
 _CHUNK = 8 * 2**20
 _ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -102,6 +102,75 @@ def urllib3_ranged(spec: Spec) -> Timed:
 
     def timed() -> list:
         _parallel(_split(size, threads), fetch)
+        return _views(buf)
+
+    return timed
+
+
+def socket_ranged(spec: Spec) -> Timed:
+    """Raw reference: N plain sockets, one ``Range`` GET each, ``recv_into`` memory that is
+    allocated inside the timed region (fresh pages, as every real load lands its bytes in).
+
+    No HTTP client library: each reader peeks the response head, consumes exactly it, and
+    receives the body straight into its slice of one ``torch.empty`` buffer. Against
+    ``urllib3-http-t*`` (a pre-touched buffer) it shows what first-touch page faults cost
+    on this machine; it is the ceiling for a loader that must fill new memory.
+
+    Params:
+        threads: parallel connections (default 4).
+    """
+    import socket
+    import urllib.parse
+
+    import torch  # before timing: the import is not the transfer's cost
+
+    url = spec["located"]["uri"]
+    threads = spec["params"].get("threads", 4)
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "http":
+        raise RuntimeError(f"socket_ranged reads plain http:// only, not {url}")
+    address = (parts.hostname, parts.port or 80)
+    target = parts.path + (f"?{parts.query}" if parts.query else "")
+
+    def request(sock: socket.socket, method: str, extra: str = "") -> tuple[int, dict]:
+        sock.sendall(f"{method} {target} HTTP/1.1\r\nHost: {parts.netloc}\r\n{extra}\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            peeked = sock.recv(65536, socket.MSG_PEEK)
+            if not peeked:
+                raise EOFError(f"{url}: connection closed before the response head")
+            end = peeked.find(b"\r\n\r\n")
+            take = len(peeked) if end < 0 else end + 4
+            head += sock.recv(take)  # consume the head only; the body stays queued
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines if ": " in line)
+        return int(status_line.split()[1]), {k.lower(): v for k, v in headers.items()}
+
+    with socket.create_connection(address) as sock:
+        status, headers = request(sock, "HEAD")
+    if status != 200:
+        raise RuntimeError(f"HEAD {url} answered {status}")
+    size = int(headers["content-length"])
+    out: list = []
+
+    def timed() -> list:
+        buf = torch.empty(size, dtype=torch.uint8)  # fresh pages, touched by the receives
+        view = memoryview(buf.numpy())
+
+        def fetch(a: int, b: int) -> None:
+            with socket.create_connection(address) as sock:
+                status, _ = request(sock, "GET", f"Range: bytes={a}-{b - 1}\r\n")
+                if status != 206:
+                    raise RuntimeError(f"GET {url} bytes {a}-{b - 1} answered {status}")
+                pos = a
+                while pos < b:
+                    n = sock.recv_into(view[pos:b])
+                    if not n:
+                        raise EOFError(f"{url}: response ended at {pos}, expected {b}")
+                    pos += n
+
+        _parallel(_split(size, threads), fetch)
+        out[:] = [buf]  # keep the buffer alive with its views
         return _views(buf)
 
     return timed

@@ -246,6 +246,7 @@ WORKERS: dict[str, Callable[[Spec], Timed] | str] = {
     "resident": resident,
     "safetensors_load": safetensors_load,
     "serialize": serialize,
+    "socket_ranged": "bench.networkers:socket_ranged",
     "tensorizer_load": tensorizer_load,
     "tensorstream_load": tensorstream_load,
     "urllib3_ranged": "bench.networkers:urllib3_ranged",

@@ -136,7 +136,7 @@ def test_http_and_s3_sources_agree_with_local(results: tuple[dict, Path]) -> Non
     data, tmp = results
     out_json = tmp / "remote.json"
     cases = ["tensorizer-http-r4", "urllib3-http-t4", "tensorizer-s3-default", "runai-s3", "boto3-s3-t8",
-             "tensorstream-http-r4", "tensorstream-s3-r4"]  # fmt: skip
+             "tensorstream-http-r4", "tensorstream-s3-r4", "socket-http-t4-fresh"]  # fmt: skip
     argv = ["--size-mib", "8", "--repeats", "1", "--cache", "warm", "--cache-dir", str(tmp / "cache"),
             "--sources", "http,s3", "--cases", ",".join(cases), "--results", str(out_json)]  # fmt: skip
     assert main(argv) == 0
