@@ -238,8 +238,9 @@ def load_levels(server: Server, levels: list[int], requests: int, max_tokens: in
     return rows
 
 
-def _ours(cmd_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "tensorstream", "serve", *cmd_args]
+def _ours(cmd_args: list[str], dtype: str | None = None) -> list[str]:
+    extra = ["--dtype", dtype] if dtype else []
+    return [sys.executable, "-m", "tensorstream", "serve", *cmd_args, *extra]
 
 
 def _run_ours(work: Path, dirs: dict[str, Path], s3: Any, args: argparse.Namespace) -> dict:
@@ -249,14 +250,20 @@ def _run_ours(work: Path, dirs: dict[str, Path], s3: Any, args: argparse.Namespa
         extra = '{"deserialization_kwargs": {"num_readers": 2}}'
         guide = [uri, "--load-format", "tensorizer", "--enable-lora"]
         guide += ["--model-loader-extra-config", extra]
-        starts["s3-tensorizer"], _ = first_answer(_ours(guide), env, work / "ts-s3.log", uri)
+        starts["s3-tensorizer"], _ = first_answer(
+            _ours(guide, args.dtype), env, work / "ts-s3.log", uri
+        )
         st = [uri, "--load-format", "safetensors", "--served-model-name", SERVED]
-        starts["s3-safetensors"], _ = first_answer(_ours(st), env, work / "ts-s3-st.log")
+        starts["s3-safetensors"], _ = first_answer(
+            _ours(st, args.dtype), env, work / "ts-s3-st.log"
+        )
     st = [str(dirs["safetensors"]), "--load-format", "safetensors", "--served-model-name", SERVED]
-    starts["local-safetensors"], _ = first_answer(_ours(st), {}, work / "ts-local-st.log")
+    starts["local-safetensors"], _ = first_answer(
+        _ours(st, args.dtype), {}, work / "ts-local-st.log"
+    )
     local = [str(dirs["tensorized"]), "--load-format", "tensorizer", "--served-model-name", SERVED]
     starts["local-tensorizer"], server = first_answer(
-        _ours(local), {}, work / "ts-local.log", keep=True
+        _ours(local, args.dtype), {}, work / "ts-local.log", keep=True
     )
     for name, row in starts.items():
         print(f"  start -> first answer, {name}: {_fmt_start(row)}", flush=True)
@@ -374,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="extra environment for vLLM, e.g. VLLM_USE_AOT_COMPILE=0 (repeatable)",
     )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="--dtype for both servers (default: each server's own 'auto')",
+    )
     parser.add_argument("--json", default=None, help="write the raw figures here")
     parser.add_argument("--workdir", default=None, help="keep files here (default: a temp dir)")
     args = parser.parse_args(argv)
@@ -393,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (dirs["tensorized"] / "model.tensors").is_file():
         _tensorize_builtin(dirs["tensorized"])
     results: dict = {
+        "dtype": args.dtype or "auto",
         "max_tokens": args.max_tokens,
         "requests_per_client": args.requests,
         "model_bytes": (dirs["tensorized"] / "model.tensors").stat().st_size,

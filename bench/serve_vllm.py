@@ -61,7 +61,8 @@ def find_vllm_python(path: str | None) -> Path:
     return python
 
 
-def _cmd(python: Path, model: str, *extra: str) -> list[str]:
+def _cmd(python: Path, model: str, *extra: str, dtype: str | None = None) -> list[str]:
+    extra = (*extra, "--dtype", dtype) if dtype else extra
     return [
         str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model,
         "--served-model-name", SERVED, "--max-model-len", "2048", "--host", "127.0.0.1", *extra,
@@ -113,9 +114,9 @@ def run_vllm(
 
     # Empty compile cache: what a fresh pod pays.
     out["first_start"]["local-safetensors"], _ = start(
-        "first-local-safetensors", _cmd(python, st_dir)
+        "first-local-safetensors", _cmd(python, st_dir, dtype=args.dtype)
     )
-    row, server = start("local-safetensors", _cmd(python, st_dir), keep=True)
+    row, server = start("local-safetensors", _cmd(python, st_dir, dtype=args.dtype), keep=True)
     out["start_to_first_answer"]["local-safetensors"] = row
     if server is not None:
         try:
@@ -123,23 +124,33 @@ def run_vllm(
         finally:
             server.stop()
     out["start_to_first_answer"]["local-tensorizer"], _ = start(
-        "local-tensorizer", _cmd(python, ts_dir, "--load-format", "tensorizer")
+        "local-tensorizer", _cmd(python, ts_dir, "--load-format", "tensorizer", dtype=args.dtype)
     )
     if s3 is not None:
         uri = s3["uri"]
         # The guide's command; vLLM refuses object-storage models unless run:ai loads them.
         out["start_to_first_answer"]["s3-tensorizer"], _ = start(
-            "s3-tensorizer", _cmd(python, uri, "--load-format", "tensorizer"), s3["env"]
+            "s3-tensorizer",
+            _cmd(python, uri, "--load-format", "tensorizer", dtype=args.dtype),
+            s3["env"],
         )
         extra = json.dumps({"tensorizer_uri": f"{uri}/model.tensors"})
         cmd = _cmd(
-            python, ts_dir, "--load-format", "tensorizer", "--model-loader-extra-config", extra
+            python,
+            ts_dir,
+            "--load-format",
+            "tensorizer",
+            "--model-loader-extra-config",
+            extra,
+            dtype=args.dtype,
         )
         out["start_to_first_answer"]["s3-tensorizer-uri"], _ = start(
             "s3-tensorizer-uri", cmd, s3["env"]
         )
         out["start_to_first_answer"]["s3-safetensors"], _ = start(
-            "s3-runai", _cmd(python, uri, "--load-format", "runai_streamer"), s3["env"]
+            "s3-runai",
+            _cmd(python, uri, "--load-format", "runai_streamer", dtype=args.dtype),
+            s3["env"],
         )
     return out
 
