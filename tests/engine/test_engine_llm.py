@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tensorstream.engine import LLM, SamplingParams
+from tensorstream.engine.cpu_dtype import cpu_matmul_supported
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a small village by the sea,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
@@ -55,7 +56,9 @@ def test_builtin_smollm2_greedy_and_chat(smollm2_dir, caplog):
     load_lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded ")]
     assert len(load_lines) == 1 and "GB/s" in load_lines[0] and "build" in load_lines[0]
     assert llm.model.lm_head.weight is llm.model.model.embed_tokens.weight
-    assert llm.model.dtype == torch.bfloat16
+    # auto: the checkpoint's bf16, or float32 on a CPU without fast bf16 matmuls
+    fast_bf16 = cpu_matmul_supported(torch.bfloat16)
+    assert llm.model.dtype == (torch.bfloat16 if fast_bf16 else torch.float32)
 
     outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=5))
     assert (

@@ -25,7 +25,7 @@ from tensorstream.errors import ConfigError, FormatError
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["DTYPES", "build_model", "import_model_code", "resolve_dtype"]
+__all__ = ["DTYPES", "build_model", "checkpoint_dtype", "import_model_code", "resolve_dtype"]
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +43,16 @@ DTYPES: Mapping[str, torch.dtype] = {
 _IGNORED_SUFFIXES = ("vllm_tensorized_marker",)
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, config: Any) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, config: Any, device: Any = None) -> torch.dtype:
     """Turn a user dtype ("auto", "float16", ``torch.bfloat16``...) into a torch dtype.
 
     Args:
-        dtype: "auto"/None (the config's ``dtype``, float32 when it names none), a name
-            from :data:`DTYPES`, or a floating ``torch.dtype``.
-        config: the model's ``PretrainedConfig``.
+        dtype: "auto"/None (the config's ``dtype``, float32 when it names none, and float32
+            for a bfloat16/float16 checkpoint on a CPU without fast matmuls in that dtype:
+            :mod:`tensorstream.engine.cpu_dtype`), a name from :data:`DTYPES`, or a
+            floating ``torch.dtype`` (always honoured).
+        config: the model's ``PretrainedConfig`` (or config.json as attributes).
+        device: where the model runs (None: the CPU).
 
     Returns:
         The dtype the model's floating-point weights will have.
@@ -57,10 +60,23 @@ def resolve_dtype(dtype: str | torch.dtype | None, config: Any) -> torch.dtype:
     Raises:
         ConfigError: unknown name or a non-floating dtype.
     """
+    declared = checkpoint_dtype(dtype, config)
+    if dtype is None or dtype == "auto":
+        from tensorstream.engine.cpu_dtype import auto_compute_dtype
+
+        return auto_compute_dtype(declared, device, config)
+    return declared
+
+
+def checkpoint_dtype(dtype: str | torch.dtype | None, config: Any) -> torch.dtype:
+    """:func:`resolve_dtype` without looking at the hardware: for "auto", the config's
+    dtype (float32 when it names none).
+
+    Raises:
+        ConfigError: unknown name or a non-floating dtype.
+    """
     if dtype is None or dtype == "auto":
         declared = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-        if declared is None:
-            return torch.float32
         if isinstance(declared, str):
             declared = DTYPES.get(declared.removeprefix("torch."), None)
         return declared if isinstance(declared, torch.dtype) else torch.float32

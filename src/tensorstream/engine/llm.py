@@ -186,7 +186,12 @@ class LLM:
         imports_started = time.perf_counter()
         import torch
 
-        from tensorstream.engine.build import build_model, import_model_code, resolve_dtype
+        from tensorstream.engine.build import (
+            build_model,
+            checkpoint_dtype,
+            import_model_code,
+            resolve_dtype,
+        )
         from tensorstream.engine.core import EngineCore
         from tensorstream.engine.models.select import (
             choose_model_impl,
@@ -221,7 +226,8 @@ class LLM:
         # Start reading weights now, while transformers is imported and the config and
         # tokenizer are parsed: that import alone takes seconds, long enough to stream a
         # good part of a model from S3. The dtype comes from config.json, no import needed.
-        early_dtype = resolve_dtype(dtype, config_json(self.location.files_dir))
+        early_config = config_json(self.location.files_dir)
+        early_dtype = resolve_dtype(dtype, early_config, self.device)
         load_started = time.perf_counter()
         pending = _Pending(
             _timed,
@@ -246,7 +252,12 @@ class LLM:
                     tokenizer or self.location.files_dir, trust_remote_code
                 )
                 import_model_code(self.config)
-            self.dtype = resolve_dtype(dtype, self.config)
+            # Decided once: the CPU fallback (engine/cpu_dtype.py) reads the free memory,
+            # which the weights streaming meanwhile have used.
+            if checkpoint_dtype(dtype, self.config) == checkpoint_dtype(dtype, early_config):
+                self.dtype = early_dtype
+            else:
+                self.dtype = resolve_dtype(dtype, self.config, self.device)
             self.load_format = load_format
             if chat_template is not None:
                 self.tokenizer.chat_template = template_text(chat_template)

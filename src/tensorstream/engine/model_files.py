@@ -29,17 +29,19 @@ logger = logging.getLogger(__name__)
 
 
 def config_json(files_dir: Path) -> Any:
-    """config.json as attributes (enough for ``resolve_dtype``), without transformers."""
+    """config.json as attributes (enough for ``resolve_dtype``: the dtype and the sizes
+    its CPU fallback estimates memory from), without transformers."""
     from types import SimpleNamespace
 
     try:
         data = json.loads((Path(files_dir) / "config.json").read_text())
     except (OSError, ValueError):
         data = {}
-    return SimpleNamespace(
-        dtype=data.get("dtype") if isinstance(data, dict) else None,
-        torch_dtype=data.get("torch_dtype") if isinstance(data, dict) else None,
-    )
+    if not isinstance(data, dict):
+        data = {}
+    fields = {"dtype": None, "torch_dtype": None}
+    fields.update((k, v) for k, v in data.items() if isinstance(k, str))
+    return SimpleNamespace(**fields)
 
 
 def load_config(files_dir: Path, trust_remote_code: bool) -> Any:

@@ -294,7 +294,7 @@ def start_parallel(
     llm.tokenizer = NativeTokenizer(tok_dir)
     if chat_template is not None:
         llm.tokenizer.chat_template = template_text(chat_template)
-    llm.dtype = resolve_dtype(dtype, config)
+    llm.dtype = resolve_dtype(dtype, config, llm.device)
     llm.load_format = load_format
     llm.max_model_len = context_length(config, max_model_len)
     llm.lora_manager = None
