@@ -10,6 +10,7 @@ engine's own (``engine/kvcache.py``), addressed through an :class:`AttentionBatc
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tensorstream.engine.cpu_dtype import cpu_matmul_supported
 from tensorstream.engine.models import packing
 from tensorstream.engine.models.config import NativeConfig
 from tensorstream.engine.models.packing import FusedLinear, PackQuota
@@ -115,23 +117,62 @@ class RMSNorm(nn.Module):
 #: same tokens as beside others; GEMM rows agree bit for bit whatever their number (checked
 #: for 2-16 rows, K up to 5632). Four rows rather than two: oneDNN's prepacked bf16 kernel
 #: streams the weights faster at four (same process, alternating steps: one row 1.13-1.14x,
-#: two rows 1.08-1.10x per step; three rows padded to four lost, 0.96-0.97x).
+#: two rows 1.08-1.10x per step; three rows padded to four lost, 0.96-0.97x). These figures
+#: are oneDNN's bf16 kernels' (AVX-512/AMX CPUs); other matmuls are probed instead
+#: (:func:`_probed_padding`).
 PAD_BELOW = 3
 PADDED_ROWS = 4
 
 
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x`` as [PADDED_ROWS, features]: its ``rows`` rows, then copies of the first."""
+def padded_rows(rows: int, dtype: torch.dtype) -> int:
+    """How many rows a batch of ``rows`` runs its linear layers as (``rows`` or more)."""
+    if dtype == torch.bfloat16 and cpu_matmul_supported(dtype):
+        return PADDED_ROWS if 0 < rows < PAD_BELOW else rows
+    table = _probed_padding(dtype, torch.get_num_threads())
+    return table[rows - 1] if 0 < rows <= len(table) else rows
+
+
+#: Row counts the probe checks; larger batches run as they are.
+_PROBE_ROWS = 32
+
+
+@functools.cache
+def _probed_padding(dtype: torch.dtype, threads: int) -> tuple[int, ...]:
+    """For 1, 2, ... rows: the fewest rows at or above it whose plain ``dtype`` matmul gives
+    each row the bits it gets among :data:`_PROBE_ROWS`. Probed, because it is the CPU's and
+    the thread count's: on a 2-core AVX2 AMD EPYC, float32 (MKL) on one thread agrees from
+    4 rows on, on two threads at 4, 8 and from 12 on; bfloat16 without oneDNN (torch's
+    reference kernel) at every count, where padding would only cost (4x at one row).
+    Counts from which every larger one agrees are left out of the table (not padded); a
+    count with no agreeing one above it in the probe runs unpadded too.
+    """
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(384, 640, generator=generator).to(dtype)
+    x = torch.randn(_PROBE_ROWS, 640, generator=generator).to(dtype)
+    full = F.linear(x, weight)
+    agree = [torch.equal(F.linear(x[:m], weight), full[:m]) for m in range(1, _PROBE_ROWS + 1)]
+    settled = _PROBE_ROWS
+    while settled > 1 and agree[settled - 2]:
+        settled -= 1  # every count from `settled` on agrees
+    table = []
+    for m in range(1, settled):
+        table.append(next((k for k in range(m, settled + 1) if agree[k - 1]), m))
+    return tuple(table)
+
+
+def _pad_rows(x: torch.Tensor, rows: int, padded: int) -> torch.Tensor:
+    """``x`` as [padded, features]: its ``rows`` rows, then copies of the first."""
     flat = x.reshape(rows, x.shape[-1])
-    return torch.cat([flat, flat[:1].expand(PADDED_ROWS - rows, -1)])
+    return torch.cat([flat, flat[:1].expand(padded - rows, -1)])
 
 
 def _linear(x: torch.Tensor, layer: nn.Linear, lora: Any, name: str) -> torch.Tensor:
-    """``layer`` (+ its LoRA update) applied to ``x``, small batches padded (PAD_BELOW)."""
+    """``layer`` (+ its LoRA update) applied to ``x``, small batches padded (:func:`padded_rows`)."""
     rows = x.shape[:-1].numel()
-    if not 0 < rows < PAD_BELOW:
+    padded = padded_rows(rows, x.dtype)
+    if padded == rows:
         return _linear_rows(x, layer, lora, name)
-    out = _linear_rows(_pad_rows(x, rows), layer, lora, name)[:rows]
+    out = _linear_rows(_pad_rows(x, rows, padded), layer, lora, name)[:rows]
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -148,9 +189,10 @@ def _fused_linear(
     """``fused``'s layers applied to ``x`` in one matmul, split back per layer (+ LoRA);
     ``split=False`` (no LoRA) returns the one joint output. Small batches padded (PAD_BELOW)."""
     rows = x.shape[:-1].numel()
-    if not 0 < rows < PAD_BELOW:
+    padded = padded_rows(rows, x.dtype)
+    if padded == rows:
         return _fused_rows(x, fused, lora, names, split)
-    outs = _fused_rows(_pad_rows(x, rows), fused, lora, names, split)
+    outs = _fused_rows(_pad_rows(x, rows, padded), fused, lora, names, split)
     return [out[:rows].reshape(*x.shape[:-1], out.shape[-1]) for out in outs]
 
 
