@@ -36,7 +36,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="apply adapter NAME to prompt INDEX (0-based); 'base' for none",
     )
     parser.add_argument("--load-format", default="auto", help="auto, tensorizer, safetensors")
-    parser.add_argument("--dtype", default="auto", help="auto, float16, bfloat16, float32")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto (the checkpoint's dtype; float32 on a CPU without fast bf16/fp16 matmuls), float16, bfloat16 or float32",
+    )
     parser.add_argument("--device", help="cpu, cuda, cuda:1 (default: CUDA if available)")
     parser.add_argument("--model-loader-extra-config", metavar="JSON", help="loader options")
     parser.add_argument("--keyfile", help="decryption key file for an encrypted model/adapters")

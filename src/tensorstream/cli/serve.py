@@ -59,7 +59,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--load-format", default="auto", help="auto (default), tensorizer or safetensors"
     )
     parser.add_argument(
-        "--dtype", default="auto", help="auto, float16, bfloat16 or float32 (default auto)"
+        "--dtype",
+        default="auto",
+        help="auto (the checkpoint's dtype; float32 on a CPU without fast bf16/fp16 matmuls), float16, bfloat16 or float32 (default auto)",
     )
     parser.add_argument(
         "--served-model-name",

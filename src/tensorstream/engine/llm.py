@@ -59,7 +59,9 @@ class LLM:
             or a Hugging Face Hub id already in the local cache.
         load_format: "auto" (``model.tensors`` -> tensorizer, ``*.safetensors`` -> safetensors),
             "tensorizer" or "safetensors".
-        dtype: "auto" (the config's dtype), "float16", "bfloat16", "float32", or a torch dtype.
+        dtype: "auto" (the config's dtype; float32 for a bf16/fp16 checkpoint on a CPU
+            without fast matmuls in it, see ``engine/cpu_dtype.py``), "float16", "bfloat16",
+            "float32", or a torch dtype.
         enable_lora: accept ``lora_request`` arguments (adapters chosen per request,
             several in one batch; plain low-rank matmuls on the native model code, peft
             on the transformers one).
