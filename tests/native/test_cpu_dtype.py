@@ -47,11 +47,11 @@ def test_auto_keeps_the_checkpoint_dtype_otherwise(no_fast_half, monkeypatch):
 def test_auto_keeps_bf16_when_float32_would_not_fit(no_fast_half, monkeypatch, caplog):
     params = cpu_dtype.estimated_parameters(SMOL)
     # float32 weights would take more than half of what is available: stay, and say so.
-    monkeypatch.setattr(cpu_dtype, "_available_bytes", lambda: params * 4 * 2 - 1)
+    monkeypatch.setattr(cpu_dtype, "_available_bytes", lambda: params * 4 * 2 * 2 - 1)
     with caplog.at_level(logging.WARNING, "tensorstream.engine"):
         assert resolve_dtype("auto", SMOL, "cpu") is torch.bfloat16
     assert "may not fit" in caplog.text and "dtype='float32'" in caplog.text
-    monkeypatch.setattr(cpu_dtype, "_available_bytes", lambda: params * 4 * 2)
+    monkeypatch.setattr(cpu_dtype, "_available_bytes", lambda: params * 4 * 2 * 2)
     assert resolve_dtype("auto", SMOL, "cpu") is torch.float32
     # No size to judge by: the checkpoint's dtype stays.
     assert resolve_dtype("auto", SimpleNamespace(dtype="bfloat16"), "cpu") is torch.bfloat16

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tensorstream.engine import LLM
+from tensorstream.engine.cpu_dtype import cpu_matmul_supported
 from tensorstream.engine.models import packing
 
 IDS = [1, 504, 3458, 5, 906, 42, 17, 2860, 31, 9]
@@ -65,7 +66,9 @@ def test_pack_switch(monkeypatch):
     monkeypatch.setenv("TENSORSTREAM_PACK_WEIGHTS", "0")
     assert not packing.pack_enabled(weight)
     monkeypatch.delenv("TENSORSTREAM_PACK_WEIGHTS")
-    assert not packing.pack_enabled(weight.float())  # only bf16 is packed
+    # float32 is packed only where bf16 is not fast (AVX2 hosts, where auto picks float32)
+    assert packing.pack_enabled(weight.float()) == (not cpu_matmul_supported(torch.bfloat16))
+    assert not packing.pack_enabled(weight.half())
     assert not packing.pack_enabled(weight, model_bytes=8 << 30)  # over the automatic budget
     monkeypatch.setenv("TENSORSTREAM_PACK_WEIGHTS", "1")
     assert packing.pack_enabled(weight, model_bytes=8 << 30) == (
@@ -96,3 +99,19 @@ def test_packing_is_spread_over_forward_passes(tiny, monkeypatch):
         assert torch.equal(_logits(model, IDS, True), plain)
         counts.append(packed_groups())
     assert counts == [1, 2, 3, 4], counts
+
+
+def test_float32_packed_where_bf16_is_slow(tiny):
+    """float32 through oneDNN's packed kernel (AVX2 hosts): packed at the first pass, all
+    at once, logits within rounding of torch's plain matmuls, parameters untouched."""
+    llm = LLM(str(tiny("llama")), device="cpu", dtype="float32")
+    model = llm.model
+    if not packing.pack_enabled(model.lm_head.weight):
+        pytest.skip("float32 is packed only on CPUs without fast bf16 matmuls")
+    pointers = [p.data_ptr() for p in model.parameters()]
+    fast = _logits(model, IDS, True)
+    for layer in model.model.layers:  # every group at once, not spread over passes
+        assert isinstance(layer.self_attn.__dict__["_qkv"], packing.FusedLinear)
+        assert isinstance(layer.mlp.__dict__["_gate_up"], packing.FusedLinear)
+    torch.testing.assert_close(fast, _logits(model, IDS, False), rtol=1e-5, atol=1e-5)
+    assert [p.data_ptr() for p in model.parameters()] == pointers

@@ -8,9 +8,10 @@ has AVX-512 (or AMX); elsewhere (AVX2 hosts: many AMD EPYC and older Xeon VMs) i
 back to a reference loop. Measured on a 2-core AMD EPYC (AVX2) VM, SmolLM2-135M, one
 thread: a 16-row decode step took 495 ms in bfloat16 and 156 ms in float32 (3.2x); a
 576x1536 matmul ran at 10 GFLOP/s in bfloat16 against 63 in float32 at 16 rows. The
-price is twice the weights' memory, so the switch is made only when float32 weights take
-at most half of the memory available now; otherwise the checkpoint's dtype stays, with a
-warning. An explicit ``dtype`` is always honoured.
+price is twice the weights' memory (four times where the float32 weights also get
+oneDNN-packed copies), so the switch is made only when all of that takes at most half of
+the memory available now; otherwise the checkpoint's dtype stays, with a warning. An
+explicit ``dtype`` is always honoured.
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ def estimated_parameters(config: Any) -> int | None:
     return layers * (attention + mlp) + vocab * hidden * (1 if tied is not False else 2)
 
 
+def _copies(float32_bytes: int) -> int:
+    """Copies of the float32 weights a CPU load holds: 2 where they get oneDNN-packed
+    copies beside them (``engine/models/packing.py``: models up to its automatic budget)."""
+    from tensorstream.engine.models.packing import _PACK_AUTO_BYTES
+
+    return 2 if float32_bytes <= _PACK_AUTO_BYTES else 1
+
+
 def _available_bytes() -> int | None:
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -97,7 +106,8 @@ def auto_compute_dtype(declared: torch.dtype, device: Any, config: Any) -> torch
     name = str(declared).removeprefix("torch.")
     params = estimated_parameters(config)
     available = _available_bytes()
-    if params is None or available is None or params * 4 > _FIT_SHARE * available:
+    need = None if params is None else params * 4 * _copies(params * 4)
+    if need is None or available is None or need > _FIT_SHARE * available:
         logger.warning(
             "this CPU has no fast %s matmuls (torch sees %s); float32 would be ~3x faster but "
             "its weights (%s) may not fit, so the model stays in %s; pass dtype='float32' "

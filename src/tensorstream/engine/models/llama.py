@@ -77,7 +77,7 @@ class Linear(nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16:
+        if x.dtype == self.weight.dtype and packing.packed_dtype(x.dtype):
             fast = packing.packed(self, "_fast", (self,), inside_forward=True)
             if fast is not None:
                 return fast(x)
@@ -124,11 +124,12 @@ PAD_BELOW = 3
 PADDED_ROWS = 4
 
 
-def padded_rows(rows: int, dtype: torch.dtype) -> int:
-    """How many rows a batch of ``rows`` runs its linear layers as (``rows`` or more)."""
+def padded_rows(rows: int, dtype: torch.dtype, packed: bool = False) -> int:
+    """How many rows a batch of ``rows`` runs its linear layers as (``rows`` or more);
+    ``packed``: through a :class:`~packing.FusedLinear` (oneDNN), else torch's ``linear``."""
     if dtype == torch.bfloat16 and cpu_matmul_supported(dtype):
         return PADDED_ROWS if 0 < rows < PAD_BELOW else rows
-    table = _probed_padding(dtype, torch.get_num_threads())
+    table = _probed_padding(dtype, torch.get_num_threads(), packed)
     return table[rows - 1] if 0 < rows <= len(table) else rows
 
 
@@ -137,20 +138,27 @@ _PROBE_ROWS = 32
 
 
 @functools.cache
-def _probed_padding(dtype: torch.dtype, threads: int) -> tuple[int, ...]:
+def _probed_padding(dtype: torch.dtype, threads: int, packed: bool) -> tuple[int, ...]:
     """For 1, 2, ... rows: the fewest rows at or above it whose plain ``dtype`` matmul gives
     each row the bits it gets among :data:`_PROBE_ROWS`. Probed, because it is the CPU's and
     the thread count's: on a 2-core AVX2 AMD EPYC, float32 (MKL) on one thread agrees from
     4 rows on, on two threads at 4, 8 and from 12 on; bfloat16 without oneDNN (torch's
-    reference kernel) at every count, where padding would only cost (4x at one row).
+    reference kernel) and float32 through oneDNN's packed kernel (``packed``) at every
+    count, where padding would only cost (4x at one row).
     Counts from which every larger one agrees are left out of the table (not padded); a
     count with no agreeing one above it in the probe runs unpadded too.
     """
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(384, 640, generator=generator).to(dtype)
     x = torch.randn(_PROBE_ROWS, 640, generator=generator).to(dtype)
-    full = F.linear(x, weight)
-    agree = [torch.equal(F.linear(x[:m], weight), full[:m]) for m in range(1, _PROBE_ROWS + 1)]
+    matmul = functools.partial(F.linear, weight=weight)
+    if packed:
+        layer = nn.Linear(640, 384, bias=False, dtype=dtype)
+        layer.weight = nn.Parameter(weight, requires_grad=False)
+        fused = FusedLinear.build([layer])
+        matmul = fused if fused is not None else matmul
+    full = matmul(x)
+    agree = [torch.equal(matmul(x[:m]), full[:m]) for m in range(1, _PROBE_ROWS + 1)]
     settled = _PROBE_ROWS
     while settled > 1 and agree[settled - 2]:
         settled -= 1  # every count from `settled` on agrees
@@ -169,7 +177,8 @@ def _pad_rows(x: torch.Tensor, rows: int, padded: int) -> torch.Tensor:
 def _linear(x: torch.Tensor, layer: nn.Linear, lora: Any, name: str) -> torch.Tensor:
     """``layer`` (+ its LoRA update) applied to ``x``, small batches padded (:func:`padded_rows`)."""
     rows = x.shape[:-1].numel()
-    padded = padded_rows(rows, x.dtype)
+    packed = isinstance(layer.__dict__.get("_fast"), FusedLinear)
+    padded = padded_rows(rows, x.dtype, packed)
     if padded == rows:
         return _linear_rows(x, layer, lora, name)
     out = _linear_rows(_pad_rows(x, rows, padded), layer, lora, name)[:rows]
@@ -189,7 +198,7 @@ def _fused_linear(
     """``fused``'s layers applied to ``x`` in one matmul, split back per layer (+ LoRA);
     ``split=False`` (no LoRA) returns the one joint output. Small batches padded (PAD_BELOW)."""
     rows = x.shape[:-1].numel()
-    padded = padded_rows(rows, x.dtype)
+    padded = padded_rows(rows, x.dtype, packed=True)
     if padded == rows:
         return _fused_rows(x, fused, lora, names, split)
     outs = _fused_rows(_pad_rows(x, rows, padded), fused, lora, names, split)
@@ -211,7 +220,7 @@ def _fusion(
     owner: nn.Module, slot: str, layers: tuple[nn.Linear, ...], x: torch.Tensor
 ) -> FusedLinear | None:
     """The packed joint matmul of ``layers`` for input ``x``, or None (plain path)."""
-    if x.dtype != torch.bfloat16 or x.dtype != layers[0].weight.dtype:
+    if x.dtype != layers[0].weight.dtype or not packing.packed_dtype(x.dtype):
         return None
     return packing.packed(owner, slot, layers)
 

@@ -20,6 +20,7 @@ __all__ = [
     "PackQuota",
     "pack_enabled",
     "packed",
+    "packed_dtype",
 ]
 
 #: Prepacked (and fused) matmuls on the inference path; False runs every layer as a plain
@@ -34,27 +35,42 @@ _PACK_AUTO_BYTES = 4 << 30  # auto mode packs models up to this many linear-weig
 PACK_STEP_BYTES = 64 << 20
 
 
+def packed_dtype(dtype: torch.dtype) -> bool:
+    """Whether linear weights in ``dtype`` are prepacked on this CPU (before the size and
+    switch checks of :func:`pack_enabled`).
+
+    bfloat16 where oneDNN has fast bf16 kernels (AVX-512/AMX). float32 where it has not
+    (AVX2 hosts, where ``dtype="auto"`` runs bf16 checkpoints in float32): measured on a
+    2-core AVX2 AMD EPYC, one thread, oneDNN's packed float32 matmul against torch's (MKL)
+    ``linear``: 16 rows x 576 -> 49152 (an LM head) 17.6 ms vs 31.5, 576 -> 1536 0.44 ms vs
+    0.49; 4 rows 0.19 vs 0.25. And its rows get the same bits at every batch size (MKL's
+    differ below 4 rows), so small batches need no padding.
+    """
+    from tensorstream.engine.cpu_dtype import cpu_matmul_supported
+
+    fast_bf16 = cpu_matmul_supported(torch.bfloat16)
+    return (dtype == torch.bfloat16 and fast_bf16) or (dtype == torch.float32 and not fast_bf16)
+
+
 def pack_enabled(weight: torch.Tensor, model_bytes: int = 0) -> bool:
     """Whether ``weight`` gets a prepacked oneDNN copy for inference matmuls.
 
     Why: torch's plain bf16 ``linear`` on CPU reaches oneDNN too, but re-derives the
     kernel and reads the weight in its checkpoint layout on every call; a weight reordered
     once into oneDNN's blocked layout runs measurably faster (``bench/decode_profile.py``)
-    with bit-identical results. The price is a second copy of the linear weights (the
-    checkpoint's stay as loaded, e.g. mapped from the page cache), so the automatic choice
-    packs only models up to 4 GiB of them; ``TENSORSTREAM_PACK_WEIGHTS=1`` forces
-    packing, ``=0`` turns it off.
+    with bit-identical results. float32 too on CPUs without fast bf16 (:func:`packed_dtype`).
+    The price is a second copy of the linear weights (the checkpoint's stay as loaded, e.g.
+    mapped from the page cache), so the automatic choice packs only models up to 4 GiB of
+    them; ``TENSORSTREAM_PACK_WEIGHTS=1`` forces packing, ``=0`` turns it off.
     """
     setting = os.environ.get(_PACK_ENV, "").strip().lower()
     if setting in ("0", "false", "no", "off"):
         return False
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+    if weight.device.type != "cpu" or weight.dim() != 2 or not packed_dtype(weight.dtype):
         return False
     if not (
         torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     ):
-        return False
-    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         return False
     return setting in ("1", "true", "yes", "on") or model_bytes <= _PACK_AUTO_BYTES
 
@@ -122,7 +138,10 @@ class FusedLinear:
         for layer in self.layers:
             for param in (layer.weight, layer.bias):
                 if param is not None:
-                    key.append((param.data_ptr(), param._version, tuple(param.shape)))
+                    # Inference tensors (made under inference_mode, e.g. cast while
+                    # loading) keep no version counter: only replacement is seen there.
+                    version = None if param.is_inference() else param._version
+                    key.append((param.data_ptr(), version, tuple(param.shape)))
         return tuple(key)
 
     def valid(self) -> bool:
@@ -155,7 +174,10 @@ def packed(
         return fused
     quota = state.get("_quota")
     nbytes = sum(layer.weight.numel() * layer.weight.element_size() for layer in layers)
-    if quota is not None and not quota.take(nbytes):
+    # bf16 packing is spread over the first passes: unpacked layers give the same bits.
+    # float32 is packed at once: MKL's unpacked matmul does not (oneDNN's rows differ).
+    spread = layers[0].weight.dtype == torch.bfloat16
+    if spread and quota is not None and not quota.take(nbytes):
         return None
     fused = FusedLinear.build(list(layers), state.get("_budget", 0))
     state[slot] = False if fused is None else fused
