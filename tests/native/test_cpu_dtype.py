@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -91,3 +92,23 @@ def test_llm_runs_float32_decided_once(no_fast_half, tiny, tmp_path, caplog):
     prompt = {"prompt_token_ids": [1, 504, 3458, 5]}
     got = llm.generate(prompt, params)[0].outputs[0].token_ids
     assert got == reference.generate(prompt, params)[0].outputs[0].token_ids
+
+
+def test_serialize_keeps_the_checkpoint_dtype(no_fast_half, tiny, tmp_path):
+    """A file is written once and served anywhere: tensorize writes the checkpoint's dtype."""
+    from tensorstream import TensorDeserializer
+    from tensorstream.engine.tensorize import SerializeOptions, serialize_model
+
+    model = tmp_path / "bf16-llama"
+    shutil.copytree(tiny("llama"), model)
+    config = json.loads((model / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (model / "config.json").write_text(json.dumps(config))
+    assert resolve_dtype("auto", SMOL, "cpu") is torch.float32  # what this CPU would run
+    result = serialize_model(
+        SerializeOptions(model=str(model), serialized_directory=str(tmp_path / "out"))
+    )
+    with TensorDeserializer(str(Path(result.directory, "model.tensors")), device="cpu") as tensors:
+        assert {t.dtype for t in tensors.values() if t.is_floating_point()} == {torch.bfloat16}
+    written = json.loads(Path(result.directory, "config.json").read_text())
+    assert written["dtype"] == "bfloat16"

@@ -16,21 +16,40 @@ explicit ``dtype`` is always honoured.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["auto_compute_dtype", "cpu_matmul_supported", "estimated_parameters"]
+__all__ = [
+    "auto_compute_dtype",
+    "cpu_matmul_supported",
+    "estimated_parameters",
+    "keep_checkpoint_dtype",
+]
 
 logger = logging.getLogger("tensorstream.engine")
 
 #: Share of the currently available memory float32 weights may take for the switch.
 _FIT_SHARE = 0.5
+_KEEP = contextvars.ContextVar("tensorstream_keep_checkpoint_dtype", default=False)
 _CHECKS = {
     torch.bfloat16: "_is_mkldnn_bf16_supported",
     torch.float16: "_is_mkldnn_fp16_supported",
 }
+
+
+@contextlib.contextmanager
+def keep_checkpoint_dtype() -> Iterator[None]:
+    """Within: ``auto`` is the checkpoint's dtype whatever the CPU (for writing files)."""
+    token = _KEEP.set(True)
+    try:
+        yield
+    finally:
+        _KEEP.reset(token)
 
 
 def cpu_matmul_supported(dtype: torch.dtype) -> bool:
@@ -100,6 +119,8 @@ def auto_compute_dtype(declared: torch.dtype, device: Any, config: Any) -> torch
         config: the model config, for the size estimate.
     """
     if declared not in _CHECKS or (device is not None and torch.device(device).type != "cpu"):
+        return declared
+    if _KEEP.get():
         return declared
     if cpu_matmul_supported(declared):
         return declared

@@ -260,16 +260,6 @@ def unique_state(model: Any) -> dict[str, Any]:
     return state
 
 
-def _exists(uri: str, storage: StorageOptions | None) -> bool:
-    from tensorstream.sources.registry import open_source
-
-    try:
-        with open_source(uri, storage):
-            return True
-    except SourceNotFoundError:
-        return False
-
-
 def _encryption_for(keyfile: str, storage: StorageOptions | None) -> tuple[Any, bool]:
     """The key at ``keyfile``, or a new random one written there. Returns (params, created)."""
     from tensorstream.crypto.keyfile import read_keyfile, write_keyfile
@@ -334,6 +324,7 @@ def serialize_model(options: SerializeOptions) -> SerializeResult:
         SourceError: the output cannot be written.
     """
     from tensorstream import TensorSerializer
+    from tensorstream.engine.cpu_dtype import keep_checkpoint_dtype
     from tensorstream.engine.llm import LLM
     from tensorstream.engine.lora import (
         AdapterOptions,
@@ -357,14 +348,17 @@ def serialize_model(options: SerializeOptions) -> SerializeResult:
     if options.lora_path:
         # Read (and check) the adapter before anything is written.
         adapter = read_adapter(options.lora_path, AdapterOptions(storage=options.storage))
-    llm = LLM(
-        options.model,
-        dtype=options.dtype,
-        revision=options.revision,
-        trust_remote_code=options.trust_remote_code,
-        model_loader_extra_config=dict(options.model_loader_extra_config) or None,
-        device="cpu",
-    )
+    # A file is written once and served on any CPU: "auto" is the checkpoint's dtype here,
+    # never the float32 this CPU would compute in (engine/cpu_dtype.py).
+    with keep_checkpoint_dtype():
+        llm = LLM(
+            options.model,
+            dtype=options.dtype,
+            revision=options.revision,
+            trust_remote_code=options.trust_remote_code,
+            model_loader_extra_config=dict(options.model_loader_extra_config) or None,
+            device="cpu",
+        )
     if adapter is not None:
         # Refuse an adapter made for another model before anything is written.
         check_adapter_fits(llm.config, adapter, options.lora_path)
