@@ -106,7 +106,7 @@ def select(
 
 
 def _local_cases() -> None:
-    for n in (1, 2, 4):
+    for n in (1, 2, 4, 8):
         register(Case(f"tensorstream-r{n}", "tensorstream", "load", "tensorstream_load", "tensorstream",
                       params={"num_readers": n}, fallback_fmt="tensorizer"))  # fmt: skip
     # Issue #12: TENSORSTREAM_COLD_READ=map is the behaviour before the page-cache probe
@@ -128,7 +128,7 @@ def _local_cases() -> None:
                   "tensorstream", params={"num_readers": 4, "verify_hash": "crc32"},
                   note='verify_hash="crc32": the stored CRC32 only (ISA-L)'))  # fmt: skip
     # The file users already have: written by tensorizer, most tensors at odd offsets.
-    for n in (2, 4):
+    for n in (2, 4, 8):
         register(Case(f"tensorstream-r{n}-tzfile", "tensorstream", "load", "tensorstream_load",
                       "tensorizer", params={"num_readers": n},
                       note="tensorizer's file: unaligned tensors copied into arenas"))  # fmt: skip
