@@ -71,6 +71,16 @@ def _touched(size: int) -> Any:
     return torch.empty(size, dtype=torch.uint8).fill_(0)
 
 
+def _fill(read_into: Any, view: memoryview, a: int, b: int, url: str) -> None:
+    """Receive bytes ``a..b`` of ``url`` into ``view[a:b]`` with ``read_into`` calls."""
+    pos = a
+    while pos < b:
+        n = read_into(view[pos:b])
+        if not n:
+            raise EOFError(f"{url}: response ended at {pos}, expected {b}")
+        pos += n
+
+
 def urllib3_ranged(spec: Spec) -> Timed:
     """Raw reference: urllib3, N threads, ``Range`` GET ``readinto`` a pre-touched buffer.
 
@@ -92,12 +102,7 @@ def urllib3_ranged(spec: Spec) -> Timed:
         r = pool.request("GET", url, headers={"Range": f"bytes={a}-{b - 1}"}, preload_content=False)
         if r.status != 206:
             raise RuntimeError(f"GET {url} bytes {a}-{b - 1} answered {r.status}, not 206")
-        pos = a
-        while pos < b:
-            n = r.readinto(view[pos:b])
-            if not n:
-                raise EOFError(f"{url}: response ended at {pos}, expected {b}")
-            pos += n
+        _fill(r.readinto, view, a, b, url)
         r.release_conn()
 
     def timed() -> list:
@@ -162,12 +167,7 @@ def socket_ranged(spec: Spec) -> Timed:
                 status, _ = request(sock, "GET", f"Range: bytes={a}-{b - 1}\r\n")
                 if status != 206:
                     raise RuntimeError(f"GET {url} bytes {a}-{b - 1} answered {status}")
-                pos = a
-                while pos < b:
-                    n = sock.recv_into(view[pos:b])
-                    if not n:
-                        raise EOFError(f"{url}: response ended at {pos}, expected {b}")
-                    pos += n
+                _fill(sock.recv_into, view, a, b, url)
 
         _parallel(_split(size, threads), fetch)
         out[:] = [buf]  # keep the buffer alive with its views
