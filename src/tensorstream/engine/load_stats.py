@@ -76,7 +76,8 @@ class LoadStats:
                 f"{self.bytes_read / 1e6:.1f} MB read in {self.read_seconds:.2f} s "
                 f"({self.gb_per_s:.2f} GB/s)"
             )
-        if self.mapped_bytes:
+        # A few odd tensors mapped beside a read (cast) load are not worth a clause.
+        if self.mapped_bytes >= 1_000_000 or (self.mapped_bytes and not self.bytes_read):
             parts.append(
                 f"{self.mapped_bytes / 1e6:.1f} MB mapped from the page cache in "
                 f"{self.read_seconds:.2f} s (read on first use, no throughput to report)"
