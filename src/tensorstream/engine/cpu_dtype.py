@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -52,11 +53,12 @@ def keep_checkpoint_dtype() -> Iterator[None]:
         _KEEP.reset(token)
 
 
+@functools.cache
 def cpu_matmul_supported(dtype: torch.dtype) -> bool:
     """Whether this CPU runs ``dtype`` matmuls on oneDNN's fast kernels.
 
     float32 (and any dtype torch cannot tell about) counts as supported: only a known
-    "no" changes what ``auto`` picks.
+    "no" changes what ``auto`` picks. Cached: the model code asks on every matmul.
     """
     check = _CHECKS.get(dtype)
     if check is None:

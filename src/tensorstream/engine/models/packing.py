@@ -13,6 +13,8 @@ import os
 import torch
 from torch import nn
 
+from tensorstream.engine.cpu_dtype import cpu_matmul_supported
+
 __all__ = [
     "FAST_LINEARS",
     "PACK_STEP_BYTES",
@@ -46,8 +48,6 @@ def packed_dtype(dtype: torch.dtype) -> bool:
     0.49; 4 rows 0.19 vs 0.25. And its rows get the same bits at every batch size (MKL's
     differ below 4 rows), so small batches need no padding.
     """
-    from tensorstream.engine.cpu_dtype import cpu_matmul_supported
-
     fast_bf16 = cpu_matmul_supported(torch.bfloat16)
     return (dtype == torch.bfloat16 and fast_bf16) or (dtype == torch.float32 and not fast_bf16)
 
