@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from tensorstream.utils.meminfo import available_bytes
+
 __all__ = [
     "auto_compute_dtype",
     "cpu_matmul_supported",
@@ -102,13 +104,9 @@ def _copies(float32_bytes: int) -> int:
 
 def _available_bytes() -> int | None:
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+        return available_bytes()
+    except OSError:  # not Linux: no size to judge by
+        return None
 
 
 def auto_compute_dtype(declared: torch.dtype, device: Any, config: Any) -> torch.dtype:

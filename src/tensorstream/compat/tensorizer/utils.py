@@ -15,6 +15,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
+from tensorstream.utils.meminfo import available_bytes
+
 __all__ = [
     "CPUMemoryUsage",
     "GlobalGPUMemoryUsage",
@@ -104,15 +106,6 @@ class TorchGPUMemoryUsage(NamedTuple):
         )
 
 
-def _available_ram() -> int:
-    # MemAvailable is what the kernel can hand out without swapping (page cache included).
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) << 10
-    raise OSError("/proc/meminfo has no MemAvailable line")
-
-
 class CPUMemoryUsage(NamedTuple):
     """Peak resident memory of this process (and its children), and free RAM, in bytes."""
 
@@ -126,7 +119,7 @@ class CPUMemoryUsage(NamedTuple):
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
         ) << 10
-        return cls(maxrss, _available_ram())
+        return cls(maxrss, available_bytes())
 
     def __str__(self) -> str:
         return f"CPU: (maxrss: {self.maxrss >> 20:,}MiB F: {self.free >> 20:,}MiB)"
