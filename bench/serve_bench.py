@@ -238,8 +238,9 @@ def load_levels(server: Server, levels: list[int], requests: int, max_tokens: in
     return rows
 
 
-def _ours(cmd_args: list[str], dtype: str | None = None) -> list[str]:
+def _ours(cmd_args: list[str], dtype: str | None = None, threads: int | None = None) -> list[str]:
     extra = ["--dtype", dtype] if dtype else []
+    extra += ["--cpu-threads", str(threads)] if threads else []
     return [sys.executable, "-m", "tensorstream", "serve", *cmd_args, *extra]
 
 
@@ -251,19 +252,19 @@ def _run_ours(work: Path, dirs: dict[str, Path], s3: Any, args: argparse.Namespa
         guide = [uri, "--load-format", "tensorizer", "--enable-lora"]
         guide += ["--model-loader-extra-config", extra]
         starts["s3-tensorizer"], _ = first_answer(
-            _ours(guide, args.dtype), env, work / "ts-s3.log", uri
+            _ours(guide, args.dtype, args.cpu_threads), env, work / "ts-s3.log", uri
         )
         st = [uri, "--load-format", "safetensors", "--served-model-name", SERVED]
         starts["s3-safetensors"], _ = first_answer(
-            _ours(st, args.dtype), env, work / "ts-s3-st.log"
+            _ours(st, args.dtype, args.cpu_threads), env, work / "ts-s3-st.log"
         )
     st = [str(dirs["safetensors"]), "--load-format", "safetensors", "--served-model-name", SERVED]
     starts["local-safetensors"], _ = first_answer(
-        _ours(st, args.dtype), {}, work / "ts-local-st.log"
+        _ours(st, args.dtype, args.cpu_threads), {}, work / "ts-local-st.log"
     )
     local = [str(dirs["tensorized"]), "--load-format", "tensorizer", "--served-model-name", SERVED]
     starts["local-tensorizer"], server = first_answer(
-        _ours(local, args.dtype), {}, work / "ts-local.log", keep=True
+        _ours(local, args.dtype, args.cpu_threads), {}, work / "ts-local.log", keep=True
     )
     for name, row in starts.items():
         print(f"  start -> first answer, {name}: {_fmt_start(row)}", flush=True)
@@ -386,6 +387,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="--dtype for both servers (default: each server's own 'auto')",
     )
+    parser.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="compute threads for both servers: ours --cpu-threads N, vLLM's OpenMP threads "
+        "bound to CPUs 0..N-1 (default: each server's own choice, CPUs minus one on both)",
+    )
     parser.add_argument("--json", default=None, help="write the raw figures here")
     parser.add_argument("--workdir", default=None, help="keep files here (default: a temp dir)")
     args = parser.parse_args(argv)
@@ -406,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         _tensorize_builtin(dirs["tensorized"])
     results: dict = {
         "dtype": args.dtype or "auto",
+        "cpu_threads": args.cpu_threads or "default",
         "max_tokens": args.max_tokens,
         "requests_per_client": args.requests,
         "model_bytes": (dirs["tensorized"] / "model.tensors").stat().st_size,

@@ -97,6 +97,8 @@ def run_vllm(
         "VLLM_ASSETS_CACHE": str(cache / "assets"),  # run:ai's copy of config/tokenizer
         "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
     }
+    if args.cpu_threads:  # its OpenMP threads bound to CPUs 0..N-1, as many as ours
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{args.cpu_threads - 1}"
     for item in args.vllm_env:
         key, _, value = item.partition("=")
         env[key] = value
