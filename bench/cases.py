@@ -109,6 +109,13 @@ def _local_cases() -> None:
     for n in (1, 2, 4, 8):
         register(Case(f"tensorstream-r{n}", "tensorstream", "load", "tensorstream_load", "tensorstream",
                       params={"num_readers": n}, fallback_fmt="tensorizer"))  # fmt: skip
+    # What a user gets without num_readers: the source's count warm, COLD_READERS cold.
+    register(Case("tensorstream-default", "tensorstream", "load", "tensorstream_load",
+                  "tensorstream", params={}, fallback_fmt="tensorizer",
+                  note="num_readers=None: min(4, CPUs) warm, 8 on a cold file"))  # fmt: skip
+    register(Case("tensorstream-default-tzfile", "tensorstream", "load", "tensorstream_load",
+                  "tensorizer", params={},
+                  note="tensorizer's file, num_readers=None"))  # fmt: skip
     # Issue #12: TENSORSTREAM_COLD_READ=map is the behaviour before the page-cache probe
     # (views whatever the cache holds), to compare with in the same run.
     for n in (1, 4):

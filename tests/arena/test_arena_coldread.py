@@ -22,6 +22,11 @@ from tensorstream.deserialize.coldread import (
     read_instead_of_map,
 )
 from tensorstream.deserialize.index import read_index
+from tensorstream.deserialize.readercount import (
+    COLD_READERS,
+    LAZY_SPLIT_BYTES,
+    cold_reader_count,
+)
 from tensorstream.sources.registry import open_source
 
 READ_LOG = "reading into arenas (cold)"
@@ -142,6 +147,49 @@ def test_one_reader_keeps_mapping_a_cold_file(path, state, caplog):
     assert mapped > 0
     assert "mapping (cold, but one reader)" in caplog.text
     _check_loaded(got, state)
+
+
+def test_cold_file_with_the_count_left_open_gets_the_cold_readers(path, state, caplog):
+    """A cold read is disk-bound: ``num_readers=None`` reads it with COLD_READERS threads,
+    whatever the cores, and the data is unchanged."""
+    drop_from_page_cache(path)
+    with caplog.at_level(logging.DEBUG, logger="tensorstream"):
+        got, mapped, _ = _load(path, num_readers=None)
+    assert mapped == 0
+    assert READ_LOG in caplog.text
+    assert f"by up to {COLD_READERS} readers" in caplog.text
+    _check_loaded(got, state)
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_the_callers_reader_count_stands_cold_or_warm(path, state, caplog, cached):
+    if cached:
+        _warm(path)
+    else:
+        drop_from_page_cache(path)
+    with caplog.at_level(logging.DEBUG, logger="tensorstream"):
+        got, mapped, _ = _load(path, num_readers=2)
+    assert (mapped > 0) == cached
+    assert "by up to 2 readers" in caplog.text
+    _check_loaded(got, state)
+
+
+def test_warm_file_with_the_count_left_open_keeps_the_sources_count(path, state, caplog):
+    _warm(path)
+    with caplog.at_level(logging.DEBUG, logger="tensorstream"):
+        got, mapped, _ = _load(path, num_readers=None)
+    assert mapped > 0
+    with open_source(str(path)) as src:
+        preferred = src.preferred_readers
+    assert f"by up to {preferred} readers" in caplog.text
+    _check_loaded(got, state)
+
+
+def test_cold_reader_count_leaves_explicit_counts_and_small_lazy_loads_alone():
+    assert cold_reader_count(None, lazy=False, nbytes=1) == COLD_READERS
+    assert cold_reader_count(3, lazy=False, nbytes=1 << 30) is None
+    assert cold_reader_count(None, lazy=True, nbytes=LAZY_SPLIT_BYTES - 1) is None
+    assert cold_reader_count(None, lazy=True, nbytes=LAZY_SPLIT_BYTES) == COLD_READERS
 
 
 @pytest.mark.parametrize("kw", [{"use_mmap": False}, {"verify_hash": "crc32"}])

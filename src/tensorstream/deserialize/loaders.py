@@ -61,6 +61,7 @@ def load_cpu(
     verify: bool | str,
     progress: Callable[[int], None],
     into: Mapping[Any, torch.Tensor] | None = None,
+    cold_readers: int | None = None,
 ) -> None:
     """Load into CPU memory: views of ``fmap`` where possible, arena tensors otherwise,
     and the caller's own tensors for the keys of ``into`` (``deserialize/inplace.py``).
@@ -71,7 +72,9 @@ def load_cpu(
 
     Without it, a file mostly absent from the page cache is read into arena memory by
     the ``readers`` too, rather than viewed (``coldread``): the disk reads then run on
-    the reader threads instead of faulting in on the caller's first touch.
+    the reader threads instead of faulting in on the caller's first touch. Such a read
+    runs ``cold_readers`` readers where given (the caller left the count open: the disk,
+    not the cores, sets what pays, ``readercount.COLD_READERS``).
     """
     alloc = ArenaAllocator()
     try:
@@ -80,8 +83,9 @@ def load_cpu(
             return
         if verify:
             fmap = None  # copies, not views: the verified bytes must be the returned ones
-        elif fmap is not None and _cold(source, records, fmap, readers):
+        elif fmap is not None and _cold(source, records, fmap, max(readers, cold_readers or 0)):
             fmap = None
+            readers = max(readers, cold_readers or 0)
         _load_cpu(source, records, readers, pipeline, fmap, verify, progress, alloc, into or {})
     finally:
         alloc.close()

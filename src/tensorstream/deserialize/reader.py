@@ -49,7 +49,7 @@ from tensorstream.deserialize.preflight import (
     select_records,
 )
 from tensorstream.deserialize.rankslices import load_rank_slices, plan_shard
-from tensorstream.deserialize.readercount import reader_count
+from tensorstream.deserialize.readercount import cold_reader_count, reader_count
 from tensorstream.deserialize.structure import freeze, nest, place_into_module, tied_aliases
 from tensorstream.errors import ConfigError, FormatError
 from tensorstream.sources.base import Source, StorageOptions
@@ -73,7 +73,8 @@ class TensorDeserializer(Mapping[Any, Any]):
             safetensors checkpoint (or a local directory holding
             ``model.safetensors.index.json``) returns a ``ShardedDeserializer`` instead.
         device: target device; ``None`` means CUDA when available, else CPU.
-        num_readers: parallel readers; ``None`` picks the source's preferred count.
+        num_readers: parallel readers; ``None`` picks the source's preferred count (a local
+            file not in the page cache gets ``readercount.COLD_READERS``, 8: disk-bound).
         verify_hash: ``True`` checks every hash each tensor stores (SHA-256 and CRC32,
             tensorizer's meaning); ``"crc32"`` checks the stored CRC32 only (fast, catches
             corruption; see docs/security.md for what each protects against).
@@ -277,7 +278,8 @@ class TensorDeserializer(Mapping[Any, Any]):
         nbytes = sum(r.data_length for r in records)
         progress = ByteProgress(nbytes, "load", enabled=self._progress)
         try:
-            readers = self._readers_for(sum(r.header_size + r.data_length for r in records))
+            total = sum(r.header_size + r.data_length for r in records)
+            readers = self._readers_for(total)
             if self._device.type == "cpu" and not self._force_staged:
                 load_cpu(
                     self._source,
@@ -288,6 +290,9 @@ class TensorDeserializer(Mapping[Any, Any]):
                     self._verify,
                     progress.update,
                     self._into,
+                    cold_readers=cold_reader_count(
+                        self._num_readers, lazy=self._lazy, nbytes=total
+                    ),
                 )
             else:
                 if self._into:  # checked at open; only the test hook gets here
