@@ -81,11 +81,11 @@ def load_cpu(
         if fmap is not None and pipeline.decryptor is not None:
             _decrypt_from_map(records, pipeline, fmap, verify, progress, alloc, into or {})
             return
+        reading_cold = max(readers, cold_readers or 0)
         if verify:
             fmap = None  # copies, not views: the verified bytes must be the returned ones
-        elif fmap is not None and _cold(source, records, fmap, max(readers, cold_readers or 0)):
-            fmap = None
-            readers = max(readers, cold_readers or 0)
+        elif fmap is not None and _cold(source, records, fmap, reading_cold):
+            fmap, readers = None, reading_cold
         _load_cpu(source, records, readers, pipeline, fmap, verify, progress, alloc, into or {})
     finally:
         alloc.close()
