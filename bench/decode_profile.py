@@ -40,6 +40,7 @@ def profile_batch(
     torch_profile: bool,
     compare: bool = False,
     compare_attention: bool = False,
+    same_prompt: bool = False,
 ) -> dict[str, float]:
     """Median ms per decode step (total, forward, head, other) at ``batch`` rows; with
     ``compare``, also the median step of the fused/packed linears vs plain ones; with
@@ -52,7 +53,8 @@ def profile_batch(
     engine, model = llm.engine, llm.model
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
     for i in range(batch):
-        prompt = PROMPTS[i % 2] + " " * (i // 2)
+        # distinct lengths by default; ``same_prompt``: one length, as the serve bench sends
+        prompt = PROMPTS[0] if same_prompt else PROMPTS[i % 2] + " " * (i // 2)
         engine.add_request(llm.tokenizer.encode(prompt), params)
     forward: list[float] = []
     head: list[float] = []
@@ -120,6 +122,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, help="runs per batch size")
     parser.add_argument("--torch-profile", action="store_true")
     parser.add_argument(
+        "--same-prompt",
+        action="store_true",
+        help="every row the same prompt (one decode length, as bench.serve_bench sends)",
+    )
+    parser.add_argument(
         "--compare",
         action="store_true",
         help="alternate fused/packed and plain linears per step; print both medians",
@@ -150,7 +157,13 @@ def main() -> None:
     for batch in args.batch:
         for _ in range(args.repeat):
             row = profile_batch(
-                llm, batch, args.steps, args.torch_profile, args.compare, args.compare_attention
+                llm,
+                batch,
+                args.steps,
+                args.torch_profile,
+                args.compare,
+                args.compare_attention,
+                args.same_prompt,
             )
             print(
                 "batch {batch:3d}: step {step_ms:7.2f} ms (forward {forward_ms:6.2f}, "
