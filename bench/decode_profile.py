@@ -9,6 +9,7 @@ Figures are medians over the steps; run it several times on a shared machine.
 
     python -m bench.decode_profile --batch 1 16 --steps 40
     python -m bench.decode_profile --batch 16 --torch-profile   # top ops by self CPU time
+    python -m bench.decode_profile --batch 16 --same-prompt     # rows of one length
 """
 
 from __future__ import annotations
