@@ -10,6 +10,7 @@ Figures are medians over the steps; run it several times on a shared machine.
     python -m bench.decode_profile --batch 1 16 --steps 40
     python -m bench.decode_profile --batch 16 --torch-profile   # top ops by self CPU time
     python -m bench.decode_profile --batch 16 --same-prompt     # rows of one length
+    python -m bench.decode_profile --batch 1 16 --compare-lean  # lean pass vs modules
 """
 
 from __future__ import annotations
@@ -42,14 +43,16 @@ def profile_batch(
     compare: bool = False,
     compare_attention: bool = False,
     same_prompt: bool = False,
+    compare_lean: bool = False,
 ) -> dict[str, float]:
     """Median ms per decode step (total, forward, head, other) at ``batch`` rows; with
     ``compare``, also the median step of the fused/packed linears vs plain ones; with
-    ``compare_attention``, of one padded bf16 decode attention call vs one per length."""
+    ``compare_attention``, of one padded bf16 decode attention call vs one per length;
+    with ``compare_lean``, of the lean decoder pass vs the module path (``fastpath.py``)."""
     import torch
 
     from tensorstream.engine import SamplingParams
-    from tensorstream.engine.models import packing
+    from tensorstream.engine.models import fastpath, packing
 
     engine, model = llm.engine, llm.model
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
@@ -80,13 +83,19 @@ def profile_batch(
             packing.FAST_LINEARS = step % 2 == 0
         if compare_attention:
             engine.padded_decode = step % 2 == 0
+        if compare_lean:
+            fastpath.ENABLED = step % 2 == 0
         started = time.perf_counter()
         engine.step()
         totals.append(time.perf_counter() - started)
-        fast = engine.padded_decode if compare_attention else packing.FAST_LINEARS
+        if compare_attention:
+            fast = engine.padded_decode
+        else:
+            fast = fastpath.ENABLED if compare_lean else packing.FAST_LINEARS
         compared[fast].append(totals[-1])
     if compare:
         packing.FAST_LINEARS = True
+    fastpath.ENABLED = True
     engine.padded_decode = True
     if profiler is not None:
         profiler.__exit__(None, None, None)
@@ -99,7 +108,7 @@ def profile_batch(
     fwd = statistics.median(forward) * ms
     lm = statistics.median(head) * ms
     result = {}
-    if compare or compare_attention:
+    if compare or compare_attention or compare_lean:
         fast, plain = statistics.median(compared[True]), statistics.median(compared[False])
         result = {"fast_ms": fast * 1000, "plain_ms": plain * 1000, "speedup": plain / fast}
     return result | {
@@ -137,6 +146,11 @@ def main() -> None:
         action="store_true",
         help="alternate one padded bf16 decode attention call and one per length, per step",
     )
+    parser.add_argument(
+        "--compare-lean",
+        action="store_true",
+        help="alternate the lean decoder pass and the module path per step",
+    )
     args = parser.parse_args()
 
     import torch
@@ -165,6 +179,7 @@ def main() -> None:
                 args.compare,
                 args.compare_attention,
                 args.same_prompt,
+                args.compare_lean,
             )
             print(
                 "batch {batch:3d}: step {step_ms:7.2f} ms (forward {forward_ms:6.2f}, "
@@ -176,6 +191,12 @@ def main() -> None:
                 print(
                     "  same run, alternating steps: fused/packed {fast_ms:7.2f} ms, "
                     "plain {plain_ms:7.2f} ms per step ({speedup:.2f}x)".format(**row),
+                    flush=True,
+                )
+            if args.compare_lean:
+                print(
+                    "  same run, alternating steps: lean pass {fast_ms:7.2f} ms, "
+                    "modules {plain_ms:7.2f} ms per step ({speedup:.2f}x)".format(**row),
                     flush=True,
                 )
             if args.compare_attention:

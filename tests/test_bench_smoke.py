@@ -187,3 +187,20 @@ def test_encrypted_bench_runs_and_plots(tmp_path: Path, capsys: pytest.CaptureFi
     replot = tmp_path / "again.png"
     assert cases_crypto.main(["--from-lines", str(saved), "--plot", str(replot)]) == 0
     assert replot.stat().st_size > 10_000
+
+
+def test_decode_profile_compares_the_lean_pass() -> None:
+    """``bench.decode_profile --compare-lean`` on the built-in model: both paths timed."""
+    import re
+    import subprocess
+
+    argv = [sys.executable, "-m", "bench.decode_profile", "--batch", "2", "--steps", "6",
+            "--dtype", "float32", "--same-prompt", "--compare-lean"]  # fmt: skip
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    step = re.search(r"batch   2: step +([\d.]+) ms .* ([\d.]+) tok/s", done.stdout)
+    assert step and float(step[1]) > 0 and float(step[2]) > 0, done.stdout
+    pair = re.search(r"lean pass +([\d.]+) ms, modules +([\d.]+) ms per step \(([\d.]+)x\)",
+                     done.stdout)  # fmt: skip
+    assert pair and float(pair[1]) > 0 and float(pair[2]) > 0, done.stdout
+    assert abs(float(pair[2]) / float(pair[1]) - float(pair[3])) < 0.01
