@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tensorstream.engine import LLM, SamplingParams
+from tensorstream.engine.cpu_dtype import cpu_matmul_supported
 from tensorstream.engine.models import fastpath, llama, packing
 
 PROMPTS = [
@@ -16,9 +17,12 @@ PROMPTS = [
     [31, 9, 2860],
 ]
 
+#: The dtype this CPU packs (``packing.packed_dtype``): bf16 where its matmuls are fast
+#: (AVX-512/AMX), float32 elsewhere (AVX2). The lean pass needs packed layers.
+DTYPE = "bfloat16" if cpu_matmul_supported(torch.bfloat16) else "float32"
 needs_packing = pytest.mark.skipif(
-    not packing.pack_enabled(torch.zeros(8, 4)),
-    reason="float32 is packed only on CPUs without fast bf16 (AVX2 hosts)",
+    not packing.pack_enabled(torch.zeros(8, 4, dtype=getattr(torch, DTYPE))),
+    reason="this torch build has no oneDNN packing",
 )
 
 
@@ -61,7 +65,7 @@ def runs(monkeypatch):
     ],
 )
 def test_lean_pass_gives_the_module_path_bits(tiny, runs, arch, overrides):
-    llm = LLM(str(tiny(arch, **overrides)), device="cpu", dtype="float32")
+    llm = LLM(str(tiny(arch, **overrides)), device="cpu", dtype=DTYPE)
     module_path = _generate(llm, lean=False)
     assert runs[0] == 0
     assert _generate(llm, lean=True) == module_path
@@ -71,7 +75,7 @@ def test_lean_pass_gives_the_module_path_bits(tiny, runs, arch, overrides):
 @needs_packing
 def test_padded_small_batches_keep_the_bits(tiny, runs, monkeypatch):
     """Where the CPU pads small batches (``llama.padded_rows``), the lean pass pads alike."""
-    llm = LLM(str(tiny("llama")), device="cpu", dtype="float32")
+    llm = LLM(str(tiny("llama")), device="cpu", dtype=DTYPE)
     monkeypatch.setattr(llama, "padded_rows", lambda rows, dtype, packed=False: max(rows, 4))
     alone = [_generate(llm, lean=False, prompts=[p]) for p in PROMPTS[:2]]
     assert [_generate(llm, lean=True, prompts=[p]) for p in PROMPTS[:2]] == alone
@@ -82,7 +86,7 @@ def test_padded_small_batches_keep_the_bits(tiny, runs, monkeypatch):
 def test_hooks_and_written_weights_take_the_module_path(tiny, runs):
     """A forward hook must fire (tensor parallelism's all-reduce is one), and a weight
     written in place must be used: both send the pass through the modules."""
-    llm = LLM(str(tiny("llama")), device="cpu", dtype="float32")
+    llm = LLM(str(tiny("llama")), device="cpu", dtype=DTYPE)
     before = _generate(llm, lean=True)
     fired = []
     o_proj = llm.model.model.layers[1].self_attn.o_proj
@@ -102,7 +106,6 @@ def test_hooks_and_written_weights_take_the_module_path(tiny, runs):
     assert runs[0] > used  # rebuilt over the new packed weights
 
 
-@needs_packing
 def test_staggered_float32_requests_equal_alone_with_a_window(tiny):
     """float32 decode attention (batched matmuls, a sliding-window mask) under continuous
     batching: requests joining and leaving mid-flight get exactly their solo tokens."""
