@@ -68,10 +68,16 @@ def js_seconds(value: float) -> str:
 
 
 def wait_for(driver, condition, what: str):
-    """Poll ``condition(driver)`` until truthy (its value) or fail with ``what``."""
+    """Poll ``condition(driver)`` until truthy (its value) or fail with ``what``.
+
+    An element the page re-renders between finding and reading it (the metric tiles are
+    redrawn on every poll) is stale for that one try, not a failure: the next try finds
+    the new one."""
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, WAIT_S).until(lambda d: condition(d), message=what)
+    wait = WebDriverWait(driver, WAIT_S, ignored_exceptions=(StaleElementReferenceException,))
+    return wait.until(lambda d: condition(d), message=what)
 
 
 def by_id(driver, element_id: str):
