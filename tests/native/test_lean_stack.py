@@ -123,3 +123,15 @@ def test_staggered_float32_requests_equal_alone_with_a_window(tiny):
                 got[ids[out.request_id]] = out.outputs[0].token_ids
         step += 1
     assert [got[i] for i in range(len(PROMPTS))] == alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rolled_rotation_has_the_bits_of_rotate_half(dtype):
+    from tensorstream.engine.models.rope import rotate, rotate_rolled, signed_sin
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 12, 3, 64, generator=generator).to(dtype)
+    angles = torch.randn(5, 3, 64, generator=generator)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    rolled = rotate_rolled(x, cos[:, None], signed_sin(sin)[:, None])
+    assert torch.equal(rolled, rotate(x, cos, sin))

@@ -12,7 +12,7 @@ once per layer instead of once per step (``bench.decode_profile --compare-lean``
 measures the two paths step by step in one process). The lean pass does those
 once per forward and gives every row the very bits of the module path (tested:
 ``tests/native/test_lean_stack.py``): same ops in the same order, the rotation's
-``rotate_half`` folded into a sign-flipped sine (``(-a) * b == a * (-b)`` exactly).
+``rotate_half`` folded into a sign-flipped sine (``rope.rotate_rolled``).
 
 It runs only where skipping the modules changes nothing observable: no autograd, no
 LoRA rows, no hooks on any module it bypasses (tensor parallelism's all-reduce is a
@@ -31,6 +31,7 @@ from torch.nn.modules import module as module_hooks
 
 from tensorstream.engine.models import packing
 from tensorstream.engine.models.packing import FusedLinear
+from tensorstream.engine.models.rope import rotate_rolled, signed_sin
 
 __all__ = ["ENABLED", "LeanStack"]
 
@@ -58,7 +59,7 @@ class _Layer:
 class LeanStack:
     """The packed decoder layers of one model, and what must hold for them to stand in.
 
-    Build with :meth:`build` (None until every layer is packed); :meth:`usable` is the
+    Build with :meth:`build` (None until every layer is packed); :meth:`applies` is the
     per-forward check (:meth:`fresh` its parameter half); :meth:`run` is the pass itself.
     """
 
@@ -144,22 +145,19 @@ class LeanStack:
         linear = _packed_linear if padded == rows else _padded_linear(rows, padded)
         norm = _norm_fp32 if x.dtype == torch.float32 else _norm_cast
         eps, split = self.eps, self.intermediate
-        cos = cos.view(rows, 1, d)
-        half = d // 2
-        # rotate_half(x) * sin == roll(x, half) * sin with the first half's sign flipped
-        sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).view(rows, 1, d)
+        cos, sin = cos.view(rows, 1, d), signed_sin(sin).view(rows, 1, d)
         x = x.view(rows, -1)
         for layer in self.layers:
             qkv = linear(norm(x, layer.inorm, eps), layer.qkv)
             if layer.q_norm is None:
-                qk = qkv[:, :qk_width].view(rows, heads + kv_heads, d)
-                qk = (qk * cos) + (qk.roll(half, -1) * sin)
+                # queries and keys are adjacent: one rotation for both
+                qk = rotate_rolled(qkv[:, :qk_width].view(rows, heads + kv_heads, d), cos, sin)
                 q, k = qk[:, :, None].split([heads, kv_heads], dim=1)
             else:
                 q = norm(qkv[:, : heads * d].view(rows, heads, d), layer.q_norm, eps)
                 k = norm(qkv[:, heads * d : qk_width].view(rows, kv_heads, d), layer.kv_norm, eps)
-                q = ((q * cos) + (q.roll(half, -1) * sin))[:, :, None]
-                k = ((k * cos) + (k.roll(half, -1) * sin))[:, :, None]
+                q = rotate_rolled(q, cos, sin)[:, :, None]
+                k = rotate_rolled(k, cos, sin)[:, :, None]
             v = qkv[:, qk_width:].view(rows, kv_heads, 1, d)
             out = layer.attn._attend_planned(q, k, v, batch).reshape(rows, heads * d)
             x = x + linear(out, layer.o)

@@ -306,7 +306,7 @@ class Attention(nn.Module):
             # fifth of the time of ``slab[rows, :, positions] = ...`` (an index_put).
             flat = batch.shared.get(("slots",))
             if flat is None:  # once per step: every layer's slabs have the same shape
-                flat = batch.shared[("slots",)] = self.cache_slots(keys, *batch.decode_slots)
+                flat = batch.shared[("slots",)] = self._cache_slots(keys, *batch.decode_slots)
             n, d = len(batch.decode_slots[0]), self.head_dim
             keys.view(-1, d).index_copy_(0, flat, k[:n, :, 0].reshape(-1, d))
             values.view(-1, d).index_copy_(0, flat, v[:n, :, 0].reshape(-1, d))
@@ -349,7 +349,7 @@ class Attention(nn.Module):
                 parts.append(out[0].transpose(0, 1)[:, :, None])
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def cache_slots(
+    def _cache_slots(
         self, slab: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """Flat indices into ``slab.view(-1, head_dim)`` of each (row, kv head, position):
