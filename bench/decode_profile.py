@@ -11,6 +11,7 @@ Figures are medians over the steps; run it several times on a shared machine.
     python -m bench.decode_profile --batch 16 --torch-profile   # top ops by self CPU time
     python -m bench.decode_profile --batch 16 --same-prompt     # rows of one length
     python -m bench.decode_profile --batch 1 16 --compare-lean  # lean pass vs modules
+    python -m bench.decode_profile --batch 1 16 --compare-rowops  # fused row operators vs torch's
 """
 
 from __future__ import annotations
@@ -35,24 +36,41 @@ def _timed(obj: Any, name: str, sink: list[float]) -> None:
     setattr(obj, name, wrapper)
 
 
+#: What ``--compare-X`` alternates step by step: (module, attribute, on, off, printed
+#: as "ON ms, OFF ms"); the engine's own switch when the module is None.
+SWITCHES = {
+    "packing": ("packing", "FAST_LINEARS", True, False, "fused/packed", "plain"),
+    "attention": (None, "padded_decode", True, False,
+                  "one padded attention call", "one per length"),
+    "lean": ("fastpath", "ENABLED", True, False, "lean pass", "modules"),
+    "rowops": ("rowops", "ENABLED", True, False, "fused row operators", "torch operators"),
+}  # fmt: skip
+
+
+def _switch(engine: Any, name: str) -> tuple[Any, str]:
+    import importlib
+
+    module, attribute = SWITCHES[name][:2]
+    owner = engine if module is None else importlib.import_module(
+        f"tensorstream.engine.models.{module}"
+    )  # fmt: skip
+    return owner, attribute
+
+
 def profile_batch(
     llm: Any,
     batch: int,
     steps: int,
     torch_profile: bool,
-    compare: bool = False,
-    compare_attention: bool = False,
+    compare: str | None = None,
     same_prompt: bool = False,
-    compare_lean: bool = False,
 ) -> dict[str, float]:
     """Median ms per decode step (total, forward, head, other) at ``batch`` rows; with
-    ``compare``, also the median step of the fused/packed linears vs plain ones; with
-    ``compare_attention``, of one padded bf16 decode attention call vs one per length;
-    with ``compare_lean``, of the lean decoder pass vs the module path (``fastpath.py``)."""
+    ``compare`` (a :data:`SWITCHES` name), also the median step with that switch on and
+    off, alternating step by step."""
     import torch
 
     from tensorstream.engine import SamplingParams
-    from tensorstream.engine.models import fastpath, packing
 
     engine, model = llm.engine, llm.model
     params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
@@ -78,25 +96,17 @@ def profile_batch(
         profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         profiler.__enter__()
     compared: dict[bool, list[float]] = {True: [], False: []}
+    owner, attribute = _switch(engine, compare) if compare else (None, "")
     for step in range(steps):
-        if compare:  # alternate the paths step by step: both see the same machine load
-            packing.FAST_LINEARS = step % 2 == 0
-        if compare_attention:
-            engine.padded_decode = step % 2 == 0
-        if compare_lean:
-            fastpath.ENABLED = step % 2 == 0
+        on = step % 2 == 0  # alternate the paths step by step: both see the same machine load
+        if owner is not None:
+            setattr(owner, attribute, SWITCHES[compare][2 if on else 3])
         started = time.perf_counter()
         engine.step()
         totals.append(time.perf_counter() - started)
-        if compare_attention:
-            fast = engine.padded_decode
-        else:
-            fast = fastpath.ENABLED if compare_lean else packing.FAST_LINEARS
-        compared[fast].append(totals[-1])
-    if compare:
-        packing.FAST_LINEARS = True
-    fastpath.ENABLED = True
-    engine.padded_decode = True
+        compared[on].append(totals[-1])
+    if owner is not None:
+        setattr(owner, attribute, SWITCHES[compare][2])
     if profiler is not None:
         profiler.__exit__(None, None, None)
         print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
@@ -108,7 +118,7 @@ def profile_batch(
     fwd = statistics.median(forward) * ms
     lm = statistics.median(head) * ms
     result = {}
-    if compare or compare_attention or compare_lean:
+    if compare:
         fast, plain = statistics.median(compared[True]), statistics.median(compared[False])
         result = {"fast_ms": fast * 1000, "plain_ms": plain * 1000, "speedup": plain / fast}
     return result | {
@@ -138,19 +148,30 @@ def main() -> None:
     )
     parser.add_argument(
         "--compare",
-        action="store_true",
+        action="store_const",
+        const="packing",
+        dest="compare",
         help="alternate fused/packed and plain linears per step; print both medians",
     )
     parser.add_argument(
         "--compare-attention",
-        action="store_true",
+        action="store_const",
+        const="attention",
+        dest="compare",
         help="alternate one padded bf16 decode attention call and one per length, per step",
     )
     parser.add_argument(
         "--compare-lean",
-        action="store_true",
+        action="store_const",
+        const="lean",
+        dest="compare",
         help="alternate the lean decoder pass and the module path per step",
     )
+    parser.add_argument(
+        "--compare-rowops",
+        action="store_const", const="rowops", dest="compare",
+        help="alternate the fused row operators (engine/models/rowops.py) and torch's, per step",
+    )  # fmt: skip
     args = parser.parse_args()
 
     import torch
@@ -172,14 +193,7 @@ def main() -> None:
     for batch in args.batch:
         for _ in range(args.repeat):
             row = profile_batch(
-                llm,
-                batch,
-                args.steps,
-                args.torch_profile,
-                args.compare,
-                args.compare_attention,
-                args.same_prompt,
-                args.compare_lean,
+                llm, batch, args.steps, args.torch_profile, args.compare, args.same_prompt
             )
             print(
                 "batch {batch:3d}: step {step_ms:7.2f} ms (forward {forward_ms:6.2f}, "
@@ -188,22 +202,10 @@ def main() -> None:
                 flush=True,
             )
             if args.compare:
+                on, off = SWITCHES[args.compare][4:]
                 print(
-                    "  same run, alternating steps: fused/packed {fast_ms:7.2f} ms, "
-                    "plain {plain_ms:7.2f} ms per step ({speedup:.2f}x)".format(**row),
-                    flush=True,
-                )
-            if args.compare_lean:
-                print(
-                    "  same run, alternating steps: lean pass {fast_ms:7.2f} ms, "
-                    "modules {plain_ms:7.2f} ms per step ({speedup:.2f}x)".format(**row),
-                    flush=True,
-                )
-            if args.compare_attention:
-                print(
-                    "  same run, alternating steps: one padded attention call "
-                    "{fast_ms:7.2f} ms, one per length {plain_ms:7.2f} ms per step "
-                    "({speedup:.2f}x)".format(**row),
+                    f"  same run, alternating steps: {on} {row['fast_ms']:7.2f} ms, "
+                    f"{off} {row['plain_ms']:7.2f} ms per step ({row['speedup']:.2f}x)",
                     flush=True,
                 )
 

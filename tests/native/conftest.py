@@ -29,3 +29,15 @@ def smollm2_dir() -> Path:
 def tiny(tmp_path_factory, smollm2_dir) -> Callable[..., Path]:
     """Factory: ``tiny("llama", tie_word_embeddings=True)`` -> model dir (cached per args)."""
     return tiny_factory(tmp_path_factory, smollm2_dir, random_biases_for=("qwen2",))
+
+
+@pytest.fixture(params=["fused", "torch"])
+def row_operators(request, monkeypatch) -> str:
+    """Run a test with the fused row operators (``rowops.py``) and with torch's: a host
+    without a C compiler runs the second, and both must keep every guarantee."""
+    from tensorstream.engine.models import rowops
+
+    if request.param == "fused" and rowops.library() is None:
+        pytest.skip("no C compiler: the fused row operators cannot be built here")
+    monkeypatch.setattr(rowops, "ENABLED", request.param == "fused")
+    return request.param

@@ -10,6 +10,8 @@ from tensorstream.engine import LLM, SamplingParams
 from tensorstream.engine.cpu_dtype import cpu_matmul_supported
 from tensorstream.engine.models import fastpath, llama, packing
 
+pytestmark = pytest.mark.usefixtures("row_operators")
+
 PROMPTS = [
     [1, 504, 3458, 5, 906, 42, 17],
     [7],

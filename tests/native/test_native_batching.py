@@ -8,6 +8,8 @@ import torch
 from tensorstream.engine import LLM, SamplingParams
 from tensorstream.errors import ConfigError
 
+pytestmark = pytest.mark.usefixtures("row_operators")
+
 # Prompts of very different lengths, so batched decode rows sit at different positions.
 PROMPTS = [
     [1, 504, 3458, 5, 906, 42, 17],

