@@ -1,5 +1,6 @@
-"""The fused row operators (``engine/models/rowops.py``, ``csrc/rowops.c``): torch's
-arithmetic within rounding, each row's bits its own, the build cached and its failures clear."""
+"""The fused row operators (``engine/models/rowops.py``, ``engine/csrc/``): torch's arithmetic
+within rounding, each row's bits its own, the build cached (``engine/rowops_build.py``) and
+its failures clear."""
 
 from __future__ import annotations
 
@@ -188,9 +189,9 @@ def _probe(env: dict[str, str], cache) -> subprocess.CompletedProcess:
         """
         import logging, sys
         logging.basicConfig(level=logging.INFO, stream=sys.stdout)
-        from tensorstream.engine.models import rowops
+        from tensorstream.engine import rowops_build
         try:
-            lib = rowops.library()
+            lib = rowops_build.library()
         except Exception as exc:
             print(type(exc).__name__, exc)
         else:
@@ -244,3 +245,17 @@ def test_greedy_picks_torch_argmax_with_its_logprob(dtype):
     strided_tokens, strided_logprobs = rowops.greedy(strided)
     assert strided_tokens == tokens
     assert [strided_logprobs[r] for r in (0, 1, 4, 5)] == [logprobs[r] for r in (0, 1, 4, 5)]
+
+
+def test_the_build_starts_before_torch_is_imported(tmp_path):
+    """``LLM(...)`` starts the build first thing: its module must not import torch."""
+    code = (
+        "import sys; from tensorstream.engine import rowops_build; "
+        "rowops_build.start_build(); assert 'torch' not in sys.modules; "
+        "print(rowops_build.library().path)"
+    )
+    env = {**os.environ, "TENSORSTREAM_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(str(tmp_path / "kernels" / "rowops-"))

@@ -6,7 +6,7 @@ A sequence owns one row for its whole life; its cached tokens are
 ``0..n-1`` (compacting when one finishes), so a decode step reads a run of rows
 with the same length as a *view* ``[r0:r1, :, :length]`` — no gather, no copy.
 The model's attention writes and reads the slabs in place
-(``engine/models/llama.py``, ``Attention._attend_planned``). Rows and length grow
+(``engine/models/kvattention.py``, ``CacheAttention``). Rows and length grow
 by doubling, so memory follows the actual load instead of
 ``max_num_seqs * max_model_len``.
 

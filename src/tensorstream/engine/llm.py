@@ -140,6 +140,12 @@ class LLM:
             model, revision=revision, storage=storage_from_extra(extra)
         )
         load_format = load_format if load_format != "auto" else detect_format(self.location, extra)
+        if device is None or str(device).startswith("cpu"):
+            # The native models' C operators: compiled (first start on this machine) or
+            # found in the cache on another core while torch imports (engine/rowops_build.py).
+            from tensorstream.engine import rowops_build
+
+            rowops_build.start_build()
         prefetch = None
         if tensor_parallel_size == 1 and load_format == "tensorizer":
             # Before torch: its import is seconds the weights can spend arriving.
@@ -304,12 +310,18 @@ class LLM:
             import_seconds=import_seconds,
             fetch_seconds=prefetch.fetch_seconds if prefetch is not None else None,
         )
+        code = self.model_impl
+        if code == "native" and self.device.type == "cpu":
+            from tensorstream.engine.models import rowops
+
+            # Waits for the build started above, so a failure surfaces here, not mid-request.
+            code += " (fused row operators)" if rowops.active() else " (torch operators)"
         logger.info(
             "loaded %s (%s) in %.2f s; %s model code, %d CPU threads",
             self.location.name,
             self.load_stats.describe(),
             self.load_stats.seconds,
-            self.model_impl,
+            code,
             self.cpu_threads,
         )
         self.max_model_len = context_length(self.config, max_model_len)

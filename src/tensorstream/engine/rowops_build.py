@@ -1,0 +1,204 @@
+"""Builds and loads the fused row operators' C library (``engine/csrc/``); no torch import.
+
+Owns: compiling the C sources with the system's C compiler (``-O3 -march=native``) into
+the cache directory (``$TENSORSTREAM_CACHE`` or ``~/.cache/tensorstream``, under
+``kernels/``, keyed by the sources, the compiler and this CPU), loading the result with
+ctypes, and the ``TENSORSTREAM_ROWOPS`` switch. The torch-facing calls are
+``engine/models/rowops.py``'s.
+
+Torch-free so that ``LLM(...)`` can start the build before ``import torch``: a first
+start on a fresh machine compiles for ~1 s on another core while torch imports and the
+weights stream in; later starts find the library in the cache (~10 ms). The first forward
+pass waits for it (:func:`library`), so a process never mixes the C arithmetic and
+torch's. ``python -m tensorstream.engine.rowops_build`` builds it ahead (a container
+image build, say) and prints where.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from importlib import resources
+from pathlib import Path
+
+from tensorstream.errors import ConfigError
+
+__all__ = ["ENV", "SUFFIXES", "library", "start_build"]
+
+logger = logging.getLogger("tensorstream.engine")
+
+ENV = "TENSORSTREAM_ROWOPS"
+_ABI = 2
+_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
+#: dtype name -> the C functions' suffix.
+SUFFIXES = {"bfloat16": "bf16", "float32": "float"}
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "add_norm": [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _F],
+    "add_rows": [_P, _I, _P, _I, _I, _I],
+    "silu_mul": [_P, _I, _P, _I, _P, _I, _I, _I, _I],
+    "rope_store": [_P, _I, _P, _I, _P, _I, _P, _P, _I, _P, _P, _F, _P, _P, _P, _P] + [_I] * 5,
+    "decode_attention": [_P, _I, _P, _P, _P, _P, _P, _I] + [_I] * 6 + [_P],
+    "greedy_rows": [_P, _I, _I, _I, _P, _P],
+}
+
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_lib: _Library | None = None
+_error = ""
+_resolved = False  # _lib/_error are final
+
+
+class _Library:
+    """The loaded shared object: one bound function per operator and dtype."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.cdll = ctypes.CDLL(str(path))
+        self.cdll.rowops_abi.restype = ctypes.c_int
+        if self.cdll.rowops_abi() != _ABI:
+            raise OSError(f"{path} has another ABI than this tensorstream")
+        self.ops: dict[tuple[str, str], ctypes._CFuncPtr] = {}
+        for name, argtypes in _SIGNATURES.items():
+            for dtype, suffix in SUFFIXES.items():
+                fn = getattr(self.cdll, f"{name}_{suffix}")
+                fn.argtypes, fn.restype = argtypes, None
+                self.ops[name, dtype] = fn
+
+
+def _mode() -> str:
+    return os.environ.get(ENV, "").strip().lower()
+
+
+def _disabled() -> bool:
+    return _mode() in ("0", "false", "no", "off")
+
+
+def _required() -> bool:
+    return _mode() in ("1", "true", "yes", "on")
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("TENSORSTREAM_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "tensorstream"
+    return base / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _sources() -> dict[str, bytes]:
+    """The C sources shipped in the package: name -> bytes."""
+    folder = resources.files("tensorstream.engine").joinpath("csrc")
+    return {
+        item.name: item.read_bytes()
+        for item in folder.iterdir()
+        if item.name.endswith((".c", ".h"))
+    }
+
+
+def _build(sources: dict[str, bytes]) -> Path:
+    """The compiled library of ``sources`` on this machine (built now unless cached)."""
+    compiler = _compiler()
+    if compiler is None:
+        raise OSError("no C compiler (cc, gcc or clang) on PATH; set CC to one")
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=False
+    ).stdout
+    digest = hashlib.sha256()
+    for part in (compiler, version, " ".join(_FLAGS), _cpu_identity()):
+        digest.update(part.encode() + b"\0")
+    for name in sorted(sources):
+        digest.update(name.encode() + b"\0" + sources[name] + b"\0")
+    root = _cache_root()
+    target = root / f"rowops-{digest.hexdigest()[:24]}.so"
+    if target.is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with tempfile.TemporaryDirectory(dir=root) as work:
+        for name, data in sources.items():
+            (Path(work) / name).write_bytes(data)
+        out = Path(work) / "rowops.so"
+        done = subprocess.run(
+            [compiler, *_FLAGS, "-o", str(out), str(Path(work) / "rowops.c"), "-lm"],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise OSError(f"{Path(compiler).name} failed: {' '.join(tail)}")
+        os.replace(out, target)  # atomic: a concurrent build leaves one whole file
+    return target
+
+
+def _run_build() -> None:
+    global _lib, _error
+    try:
+        _lib = _Library(_build(_sources()))
+    except (OSError, subprocess.SubprocessError) as exc:
+        _error = str(exc)
+
+
+def start_build() -> None:
+    """Start building (or loading the cached) library in the background; idempotent."""
+    global _thread
+    with _lock:
+        if _thread is None and not _resolved and not _disabled():
+            _thread = threading.Thread(target=_run_build, name="tensorstream-rowops", daemon=True)
+            _thread.start()
+
+
+def library() -> _Library | None:
+    """The loaded library (waits for a build in progress), or None: torch operators run.
+
+    Raises:
+        ConfigError: ``TENSORSTREAM_ROWOPS=1`` and the library could not be built.
+    """
+    global _resolved, _error
+    if _resolved:
+        return _lib
+    if _disabled():
+        _error = f"{ENV}={os.environ.get(ENV)}"
+    else:
+        start_build()
+        assert _thread is not None
+        _thread.join()
+    with _lock:
+        _resolved = True
+    if _lib is None:
+        message = f"fused row operators unavailable ({_error})"
+        if _required():
+            raise ConfigError(f"{message}; unset {ENV} to run torch's operators instead")
+        logger.info("%s: the native models run torch's operators", message)
+    else:
+        logger.debug("fused row operators: %s", _lib.path)
+    return _lib
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = library()
+    print(built.path if built is not None else "not built (see above)")
+    sys.exit(0 if built is not None else 1)
