@@ -139,9 +139,20 @@ class Server:
             time.sleep(0.02)
         raise RuntimeError(f"server not ready in {timeout}s; see {self.log}")
 
+    def pause(self) -> None:
+        """Freeze the process group (SIGSTOP): an idle server then takes no CPU at all,
+        whatever its engine does when idle, while the other server is measured."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL it after 60 s."""
         if self.proc.poll() is None:
+            self.resume()  # a frozen group would not act on SIGTERM
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(timeout=60)
@@ -269,12 +280,47 @@ def _run_ours(work: Path, dirs: dict[str, Path], s3: Any, args: argparse.Namespa
     for name, row in starts.items():
         print(f"  start -> first answer, {name}: {_fmt_start(row)}", flush=True)
     rows = []
-    if server is not None:
+    if server is not None and args.hold is not None:
+        args.hold["tensorstream"] = server  # measured by interleaved_rounds
+        server.pause()  # frozen while vLLM starts
+    elif server is not None:
         try:
             rows = load_levels(server, args.levels, args.requests, args.max_tokens)
         finally:
             server.stop()
     return {"start_to_first_answer": starts, "load": rows}
+
+
+def interleaved_rounds(servers: dict[str, Server], args: argparse.Namespace) -> dict[str, dict]:
+    """``args.rounds`` rounds of :func:`load_levels` on each server in turn, the order
+    swapped every round, the server not measured frozen (:meth:`Server.pause`): both see
+    the same machine, minute by minute. Returns per server ``{"load": medians per level,
+    "rounds": every round's rows}``."""
+    names = list(servers)
+    runs: dict[str, list[list[dict]]] = {name: [] for name in names}
+    for server in servers.values():
+        server.pause()
+    for round_ in range(args.rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            print(f"round {round_ + 1}, {name}:", flush=True)
+            servers[name].resume()
+            try:
+                runs[name].append(load_levels(servers[name], args.levels, args.requests,
+                                              args.max_tokens))  # fmt: skip
+            finally:
+                servers[name].pause()
+    out = {}
+    for name, rounds in runs.items():
+        medians = []
+        for level, rows in enumerate(zip(*rounds, strict=True)):
+            row = {"clients": args.levels[level], "requests": rows[0]["requests"]}
+            for key in ("tokens_per_s", "p50_s", "p99_s"):
+                row[key] = statistics.median(r[key] for r in rows)
+            row["tokens_per_s_range"] = [min(r["tokens_per_s"] for r in rows),
+                                         max(r["tokens_per_s"] for r in rows)]  # fmt: skip
+            medians.append(row)
+        out[name] = {"load": medians, "rounds": rounds}
+    return out
 
 
 def _fmt_start(row: dict | None) -> str:
@@ -342,14 +388,21 @@ def print_report(results: dict) -> None:
             print(f"| {label} | " + " | ".join(cells) + " |")
     print()
     sides = [("tensorstream", ours["load"])] + ([("vLLM-CPU", peer["load"])] if peer else [])
+    if results.get("rounds"):
+        print(f"Medians of {results['rounds']} interleaved rounds (min-max tok/s in brackets).")
+        print()
     print("| server | clients | requests | completion tok/s | vs 1 client | p50 | p99 |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, rows in sides:
         base = rows[0]["tokens_per_s"] if rows else 0.0
         for row in rows:
             ratio = row["tokens_per_s"] / base if base else float("nan")
+            spread = row.get("tokens_per_s_range")
+            rate = f"{row['tokens_per_s']:.1f}"
+            if spread:
+                rate += f" [{spread[0]:.1f}-{spread[1]:.1f}]"
             print(
-                f"| {name} | {row['clients']} | {row['requests']} | {row['tokens_per_s']:.1f} | "
+                f"| {name} | {row['clients']} | {row['requests']} | {rate} | "
                 f"{ratio:.1f}x | {row['p50_s']:.2f} s | {row['p99_s']:.2f} s |"
             )
     if peer and ours["load"] and peer["load"]:
@@ -394,10 +447,21 @@ def main(argv: list[str] | None = None) -> int:
         help="compute threads for both servers: ours --cpu-threads N, vLLM's OpenMP threads "
         "bound to CPUs 0..N-1 (default: each server's own choice, CPUs minus one on both)",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --peer: keep both servers up and measure them in N alternating rounds "
+        "(the idle one frozen), reporting medians (default 1: one after the other)",
+    )
     parser.add_argument("--json", default=None, help="write the raw figures here")
     parser.add_argument("--workdir", default=None, help="keep files here (default: a temp dir)")
     args = parser.parse_args(argv)
     args.levels = [int(c) for c in args.clients.split(",")]
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    # Servers kept up for interleaved rounds (name -> Server), or None: measured at once.
+    args.hold = {} if args.rounds > 1 and args.peer else None
 
     vllm_python = None
     if args.peer == "vllm":
@@ -428,7 +492,15 @@ def main(argv: list[str] | None = None) -> int:
 
             print("vLLM-CPU:", flush=True)
             results["vllm"] = run_vllm(vllm_python, work, dirs, s3_info, args)
+        if args.hold is not None and len(args.hold) == 2:
+            measured = interleaved_rounds(args.hold, args)
+            for name, key in (("tensorstream", "tensorstream"), ("vllm", "vllm")):
+                results[key]["load"] = measured[name]["load"]
+                results[key]["rounds"] = measured[name]["rounds"]
+            results["rounds"] = args.rounds
     finally:
+        for server in (args.hold or {}).values():
+            server.stop()
         if s3 is not None:
             s3.stop()
     print_report(results)

@@ -120,7 +120,10 @@ def run_vllm(
     )
     row, server = start("local-safetensors", _cmd(python, st_dir, dtype=args.dtype), keep=True)
     out["start_to_first_answer"]["local-safetensors"] = row
-    if server is not None:
+    if server is not None and getattr(args, "hold", None) is not None:
+        args.hold["vllm"] = server  # measured later, interleaved with ours
+        server.pause()  # frozen through the start-ups below
+    elif server is not None:
         try:
             out["load"] = load_levels(server, args.levels, args.requests, args.max_tokens)
         finally:

@@ -18,9 +18,8 @@ from tensorstream.engine.models import rowops
 from tensorstream.engine.models.rope import rotate
 
 DTYPES = [torch.bfloat16, torch.float32]
-pytestmark = pytest.mark.skipif(
-    rowops.library() is None, reason="needs a C compiler (the build is tested below anyway)"
-)
+#: Everything but the no-compiler test needs the library (CI has gcc: nothing skips there).
+needs_library = pytest.mark.skipif(rowops.library() is None, reason="needs a C compiler")
 
 
 def _ulps(dtype: torch.dtype) -> float:
@@ -34,6 +33,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, ulps: float) -> None:
     assert bool((diff <= bound).all()), float((diff / bound).max())
 
 
+@needs_library
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_add_norm_is_the_residual_add_then_the_reference_norm(dtype):
     g = torch.Generator().manual_seed(0)
@@ -51,6 +51,7 @@ def test_add_norm_is_the_residual_add_then_the_reference_norm(dtype):
     assert torch.equal(plain, out[:5])
 
 
+@needs_library
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul_and_add_rows(dtype):
     g = torch.Generator().manual_seed(1)
@@ -63,6 +64,7 @@ def test_silu_mul_and_add_rows(dtype):
     assert torch.equal(rowops.add_rows(x, delta), joint[:, :100] + delta)
 
 
+@needs_library
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_store_rotates_as_rotate_half_and_writes_the_slots(dtype, qk_norm):
@@ -99,6 +101,7 @@ def test_rope_store_rotates_as_rotate_half_and_writes_the_slots(dtype, qk_norm):
     assert int((keys != 0).any(-1).sum()) == rows * kv_heads  # nothing else written
 
 
+@needs_library
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_equals_sdpa_and_each_row_is_its_own(dtype, window):
@@ -135,6 +138,7 @@ def test_decode_attention_equals_sdpa_and_each_row_is_its_own(dtype, window):
                                 scratch=torch.empty(length))  # fmt: skip
 
 
+@needs_library
 def test_norm_rows_are_batch_invariant():
     g = torch.Generator().manual_seed(4)
     x = torch.randn(17, 2048, generator=g).bfloat16()
@@ -160,6 +164,7 @@ def _greedy(llm, prompts, fused: bool):
     ]
 
 
+@needs_library
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_engine_with_fused_operators_follows_torch_operators(smollm2_dir, dtype):
     """SmolLM2's greedy tokens as with torch's operators, log-probabilities within the
@@ -203,6 +208,7 @@ def _probe(env: dict[str, str], cache) -> subprocess.CompletedProcess:
                           text=True, timeout=120, check=True)  # fmt: skip
 
 
+@needs_library
 def test_build_is_cached_per_machine(tmp_path):
     first = _probe({}, tmp_path).stdout
     path = first.split("LIB ")[1].split()[0]
@@ -227,6 +233,7 @@ def test_without_a_compiler_torch_operators_run_or_a_clear_error(tmp_path):
     assert not (tmp_path / "kernels").exists()  # nothing built when switched off
 
 
+@needs_library
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_greedy_picks_torch_argmax_with_its_logprob(dtype):
     g = torch.Generator().manual_seed(5)
@@ -247,6 +254,7 @@ def test_greedy_picks_torch_argmax_with_its_logprob(dtype):
     assert [strided_logprobs[r] for r in (0, 1, 4, 5)] == [logprobs[r] for r in (0, 1, 4, 5)]
 
 
+@needs_library
 def test_the_build_starts_before_torch_is_imported(tmp_path):
     """``LLM(...)`` starts the build first thing: its module must not import torch."""
     code = (

@@ -60,11 +60,14 @@ class RequestStream:
         self._event = asyncio.Event()
         self._latest: RequestOutput | None = None
         self._error: BaseException | None = None
+        # Set by result(): only the finished output wakes the reader, not every step's.
+        self._final_only = False
 
     # Called on the event loop (scheduled by the engine thread).
     def _publish(self, output: RequestOutput) -> None:
         self._latest = output
-        self._event.set()
+        if output.finished or not self._final_only:
+            self._event.set()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
@@ -90,7 +93,8 @@ class RequestStream:
                 return
 
     async def result(self) -> RequestOutput:
-        """Wait for the finished output."""
+        """Wait for the finished output (woken once, not at every step)."""
+        self._final_only = True
         last: RequestOutput | None = None
         async for last in self.updates():  # noqa: B007 - only the final one matters
             pass
@@ -371,6 +375,7 @@ class EngineLoop:
             return
         self.steps += 1
         now = time.monotonic()
+        published = []
         for output in outputs:
             pending = self._running.get(output.request_id)
             if pending is None:
@@ -383,11 +388,12 @@ class EngineLoop:
             if pending.first_token is None:
                 pending.first_token = now
             pending.last_output = now
-            self._deliver(pending.stream._publish, output)
+            published.append((pending.stream._publish, output))
             if output.finished:
                 del self._running[output.request_id]
                 reason = output.outputs[0].finish_reason if output.outputs else "stop"
                 self._finish_metrics(pending, output, reason or "stop")
+        self._deliver_all(published)
 
     def _cancel_all(self, why: str) -> None:
         for pending in list(self._waiting) + list(self._running.values()):
@@ -411,8 +417,26 @@ class EngineLoop:
                 self.metrics.per_output_token.observe((now - pending.first_token) / (steps - 1))
 
     @staticmethod
+    def _deliver_all(calls: list[tuple[Callable[..., None], Any]]) -> None:
+        """A step's outputs handed to their event loops in one wake-up per loop, not one
+        per request (each wake-up is a write to the loop's pipe and a GIL hand-over)."""
+        by_loop: dict[Any, list[tuple[Callable[..., None], Any]]] = {}
+        for callback, arg in calls:
+            by_loop.setdefault(callback.__self__._loop, []).append((callback, arg))  # type: ignore[attr-defined]
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_run_calls, batch)
+            except RuntimeError:
+                pass  # the event loop is closed: nobody is listening any more
+
+    @staticmethod
     def _deliver(callback: Callable[..., None], arg: Any) -> None:
         try:
             callback.__self__._loop.call_soon_threadsafe(callback, arg)  # type: ignore[attr-defined]
         except RuntimeError:
             pass  # the event loop is closed: nobody is listening any more
+
+
+def _run_calls(calls: list[tuple[Callable[..., None], Any]]) -> None:
+    for callback, arg in calls:
+        callback(arg)
