@@ -204,3 +204,53 @@ def test_decode_profile_compares_the_lean_pass() -> None:
                      done.stdout)  # fmt: skip
     assert pair and float(pair[1]) > 0 and float(pair[2]) > 0, done.stdout
     assert abs(float(pair[2]) / float(pair[1]) - float(pair[3])) < 0.01
+
+
+def test_serve_bench_rounds_alternate_and_freeze_the_idle_server(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``bench.serve_bench --rounds``: rounds alternate the order, the server not measured is
+    stopped (SIGSTOP, state T), medians per level; a frozen server still stops cleanly."""
+    import argparse
+    import time
+
+    from bench import serve_bench
+
+    code = "import time\nwhile True: time.sleep(0.01)"
+    servers = {name: serve_bench.Server([sys.executable, "-c", code], {}, tmp_path / f"{name}.log")
+               for name in ("tensorstream", "vllm")}  # fmt: skip
+    order: list[tuple[str, bool]] = []
+    speeds = {"tensorstream": iter([30.0, 10.0, 20.0]), "vllm": iter([5.0, 7.0, 6.0])}
+
+    def frozen(server: serve_bench.Server) -> bool:
+        for _ in range(100):  # SIGSTOP lands asynchronously
+            stat = Path(f"/proc/{server.proc.pid}/stat").read_text()
+            if stat.rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                return True
+            time.sleep(0.01)
+        return False
+
+    def fake_levels(server, levels, requests, max_tokens):
+        name = next(n for n, s in servers.items() if s is server)
+        other = next(s for n, s in servers.items() if s is not server)
+        order.append((name, frozen(other)))
+        tok = next(speeds[name])
+        return [{"clients": c, "requests": 2, "tokens_per_s": tok * c, "p50_s": 1.0 / tok,
+                 "p99_s": 2.0 / tok} for c in levels]  # fmt: skip
+
+    monkeypatch.setattr(serve_bench, "load_levels", fake_levels)
+    args = argparse.Namespace(rounds=3, levels=[1, 4], requests=2, max_tokens=8)
+    try:
+        out = serve_bench.interleaved_rounds(servers, args)
+        assert [name for name, _ in order] == ["tensorstream", "vllm", "vllm", "tensorstream",
+                                               "tensorstream", "vllm"]  # fmt: skip
+        assert all(other_frozen for _, other_frozen in order)  # the idle one frozen
+        assert all(frozen(s) for s in servers.values())  # both frozen after the rounds
+        ours = out["tensorstream"]["load"]
+        assert [row["tokens_per_s"] for row in ours] == [20.0, 80.0]  # medians of 30, 10, 20
+        assert ours[1]["tokens_per_s_range"] == [40.0, 120.0]
+        assert len(out["vllm"]["rounds"]) == 3 and out["vllm"]["load"][0]["tokens_per_s"] == 6.0
+    finally:
+        for server in servers.values():
+            server.stop()
+    assert all(s.proc.poll() is not None for s in servers.values())  # stopped though frozen
