@@ -267,3 +267,33 @@ def test_the_build_starts_before_torch_is_imported(tmp_path):
                           text=True, timeout=120, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().startswith(str(tmp_path / "kernels" / "rowops-"))
+
+
+@needs_library
+def test_a_read_only_cache_falls_back_to_a_private_temp_dir(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    env = {"TENSORSTREAM_CACHE": str(blocker / "cache"), "TMPDIR": str(tmp_path / "tmp")}
+    (tmp_path / "tmp").mkdir()
+    out = _probe(env, tmp_path).stdout
+    spare = tmp_path / "tmp" / f"tensorstream-kernels-{os.getuid()}"
+    assert f"LIB {spare}/rowops-" in out
+    assert oct(os.stat(spare).st_mode & 0o777) == "0o700"
+
+
+@needs_library
+def test_libraries_others_could_write_are_never_loaded(tmp_path):
+    cache, spare_root = tmp_path / "cache", tmp_path / "tmp"
+    env = {"TENSORSTREAM_CACHE": str(cache), "TMPDIR": str(spare_root)}
+    spare_root.mkdir()
+    built = _probe(env, tmp_path).stdout.split("LIB ")[1].split()[0]
+    os.chmod(built, 0o666)  # a library someone else could have replaced
+    out = _probe(env, tmp_path).stdout
+    assert "LIB None" in out and "is not private to this user" in out
+    os.chmod(built, 0o755)
+    os.chmod(cache / "kernels", 0o777)  # the directory: anyone could plant a library there
+    spare = spare_root / f"tensorstream-kernels-{os.getuid()}"
+    spare.mkdir(mode=0o700)
+    os.chmod(spare, 0o777)
+    out = _probe(env, tmp_path).stdout
+    assert "LIB None" in out and out.count("is not private to this user") == 2

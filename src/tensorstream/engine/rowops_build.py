@@ -2,8 +2,10 @@
 
 Owns: compiling the C sources with the system's C compiler (``-O3 -march=native``) into
 the cache directory (``$TENSORSTREAM_CACHE`` or ``~/.cache/tensorstream``, under
-``kernels/``, keyed by the sources, the compiler and this CPU), loading the result with
-ctypes, and the ``TENSORSTREAM_ROWOPS`` switch. The torch-facing calls are
+``kernels/``; a per-user directory under the system's temporary directory where that is
+read-only), keyed by the sources, the compiler and this CPU; loading the result with
+ctypes, only from a directory and file of this user's that nobody else can write; and the
+``TENSORSTREAM_ROWOPS`` switch. The torch-facing calls are
 ``engine/models/rowops.py``'s.
 
 Torch-free so that ``LLM(...)`` can start the build before ``import torch``: a first
@@ -22,6 +24,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -87,10 +90,40 @@ def _required() -> bool:
     return _mode() in ("1", "true", "yes", "on")
 
 
-def _cache_root() -> Path:
+def _cache_roots() -> list[Path]:
+    """Where the library may live: the cache directory, else (read-only home, as in many
+    containers) a per-user directory in the system's temporary directory."""
     root = os.environ.get("TENSORSTREAM_CACHE")
     base = Path(root).expanduser() if root else Path.home() / ".cache" / "tensorstream"
-    return base / "kernels"
+    spare = Path(tempfile.gettempdir()) / f"tensorstream-kernels-{os.getuid()}"
+    return [base / "kernels", spare]
+
+
+def _private(path: Path, *, directory: bool) -> None:
+    """Refuse a file or directory this process did not make its own: another user's, a
+    symlink, or writable by others (a library loaded from there would run their code)."""
+    info = os.lstat(path)
+    kind = stat.S_ISDIR(info.st_mode) if directory else stat.S_ISREG(info.st_mode)
+    if not kind or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        raise OSError(
+            f"{path} is not private to this user (owner, type or permissions); remove it or "
+            "set TENSORSTREAM_CACHE to a directory of your own"
+        )
+
+
+def _cache_dir() -> Path:
+    """The first of :func:`_cache_roots` that is (or can be made) a private directory."""
+    problems = []
+    for root in _cache_roots():
+        try:
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            _private(root, directory=True)
+            if os.access(root, os.W_OK):
+                return root
+            problems.append(f"{root} is not writable")
+        except OSError as exc:
+            problems.append(str(exc))
+    raise OSError("no cache directory for the kernel library: " + "; ".join(problems))
 
 
 def _compiler() -> str | None:
@@ -133,11 +166,11 @@ def _build(sources: dict[str, bytes]) -> Path:
         digest.update(part.encode() + b"\0")
     for name in sorted(sources):
         digest.update(name.encode() + b"\0" + sources[name] + b"\0")
-    root = _cache_root()
+    root = _cache_dir()
     target = root / f"rowops-{digest.hexdigest()[:24]}.so"
-    if target.is_file():
+    if target.exists():
+        _private(target, directory=False)
         return target
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
     with tempfile.TemporaryDirectory(dir=root) as work:
         for name, data in sources.items():
             (Path(work) / name).write_bytes(data)
