@@ -297,3 +297,17 @@ def test_libraries_others_could_write_are_never_loaded(tmp_path):
     os.chmod(spare, 0o777)
     out = _probe(env, tmp_path).stdout
     assert "LIB None" in out and out.count("is not private to this user") == 2
+
+
+@needs_library
+def test_a_group_writable_umask_still_builds_a_loadable_library(tmp_path):
+    """Distributions that give users umask 002 must not make our own library 'unsafe'."""
+    code = (
+        "import os; os.umask(0o002); from tensorstream.engine import rowops_build; "
+        "print(rowops_build.library().path)"
+    )
+    env = {**os.environ, "TENSORSTREAM_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-500:]
+    assert oct(os.stat(done.stdout.strip()).st_mode & 0o777) == "0o755"

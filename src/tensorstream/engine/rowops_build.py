@@ -182,6 +182,7 @@ def _build(sources: dict[str, bytes]) -> Path:
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
             raise OSError(f"{Path(compiler).name} failed: {' '.join(tail)}")
+        os.chmod(out, 0o755)  # whatever the umask: group/other write would be refused
         os.replace(out, target)  # atomic: a concurrent build leaves one whole file
     return target
 
