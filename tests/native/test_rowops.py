@@ -60,6 +60,7 @@ def test_silu_mul_and_add_rows(dtype):
     out = rowops.silu_mul(gate, up, rows=3, out_rows=4)
     _close(out[:3], F.silu(gate[:3]) * up[:3], 2 * _ulps(dtype))
     assert torch.equal(out[3], out[0])
+    assert torch.equal(rowops.silu_mul(joint, None, rows=3, out_rows=4), out)  # split in C
     x, delta = joint[:, :100].clone(), joint[:, 100:200]
     assert torch.equal(rowops.add_rows(x, delta), joint[:, :100] + delta)
 
@@ -311,3 +312,39 @@ def test_a_group_writable_umask_still_builds_a_loadable_library(tmp_path):
                           text=True, timeout=120, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-500:]
     assert oct(os.stat(done.stdout.strip()).st_mode & 0o777) == "0o755"
+
+
+@needs_library
+@pytest.mark.parametrize("padded", [False, True])
+def test_rope_attend_is_rope_store_then_decode_attention(padded):
+    g = torch.Generator().manual_seed(6)
+    heads, kv_heads, d, length, rows = 6, 2, 64, 64, 3
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).bfloat16()
+    angles = torch.rand(rows, d // 2, generator=g) * 6
+    cos = torch.cat([angles, angles], -1).cos().bfloat16()
+    sin = torch.cat([angles, angles], -1).sin().bfloat16()
+    slabs = [torch.randn(2, kv_heads, length, d, generator=g).bfloat16() for _ in range(2)]
+    slots = (torch.tensor([1, 0, 1]), torch.tensor([9, 30, 10]))
+    scratch = torch.empty(heads // kv_heads * length)
+
+    def views(t):
+        return t[:, : heads * d], t[:, heads * d : -kv_heads * d], t[:, -kv_heads * d :]
+
+    one, two = qkv.clone(), qkv.clone()
+    keys1, values1 = (s.clone() for s in slabs)
+    keys2, values2 = (s.clone() for s in slabs)
+    expected = torch.empty(rows, heads * d, dtype=torch.bfloat16)
+    rowops.rope_store(*views(one), cos, sin, keys1, values1, slots, head_dim=d)
+    rowops.decode_attention(views(one)[0], keys1, values1, slots, expected, head_dim=d,
+                            window=None, scratch=scratch)  # fmt: skip
+    out = torch.empty(rows + 2 if padded else rows, heads * d, dtype=torch.bfloat16)
+    rowops.rope_attend(*views(two), cos, sin, keys2, values2, slots, rows, out, head_dim=d,
+                       window=None, scratch=scratch)  # fmt: skip
+    assert torch.equal(out[:rows], expected) and torch.equal(two, one)
+    assert torch.equal(keys2, keys1) and torch.equal(values2, values1)
+    if padded:
+        assert torch.equal(out[rows:], expected[:1].expand(2, -1))
+        # padded rows copy row 0, which must then be a decode row
+        with pytest.raises(ValueError, match="0 decode rows of 3 into 5 out rows"):
+            rowops.rope_attend(*views(two), cos, sin, keys2, values2, slots, 0, out,
+                               head_dim=d, window=None, scratch=scratch)  # fmt: skip

@@ -39,7 +39,7 @@ __all__ = ["ENV", "SUFFIXES", "library", "start_build"]
 logger = logging.getLogger("tensorstream.engine")
 
 ENV = "TENSORSTREAM_ROWOPS"
-_ABI = 2
+_ABI = 3
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
 #: dtype name -> the C functions' suffix.
 SUFFIXES = {"bfloat16": "bf16", "float32": "float"}
@@ -52,6 +52,9 @@ _SIGNATURES = {
     "rope_store": [_P, _I, _P, _I, _P, _I, _P, _P, _I, _P, _P, _F, _P, _P, _P, _P] + [_I] * 5,
     "decode_attention": [_P, _I, _P, _P, _P, _P, _P, _I] + [_I] * 6 + [_P],
     "greedy_rows": [_P, _I, _I, _I, _P, _P],
+    "rope_attend": [_P, _I, _P, _I, _P, _I, _P, _P, _I, _P, _P, _F, _P, _P, _P, _P]
+    + [_I] * 5
+    + [_I, _P, _I, _I, _I, _P],
 }
 
 _lock = threading.Lock()

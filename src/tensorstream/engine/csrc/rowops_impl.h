@@ -261,3 +261,23 @@ void SUFFIX(greedy_rows)(const T *logits, int64_t stride, int64_t rows, int64_t 
         logprobs[r] = -logf(total);
     }
 }
+
+/* rope_store for every token row, then decode attention for the first decode_rows rows
+ * (their slots are the first entries of cache_rows/positions) into out; rows
+ * rows..out_rows-1 of out repeat row 0 (a padded o-projection). One call per layer. */
+void SUFFIX(rope_attend)(T *q, int64_t q_stride, T *k, int64_t k_stride, const T *v,
+                         int64_t v_stride, const T *cos_, const T *sin_, int64_t cs_stride,
+                         const T *q_norm, const T *k_norm, float eps, T *keys, T *values,
+                         const int64_t *cache_rows, const int64_t *positions, int64_t rows,
+                         int64_t heads, int64_t kv_heads, int64_t d, int64_t length,
+                         int64_t decode_rows, T *out, int64_t out_stride, int64_t out_rows,
+                         int64_t window, float *scratch) {
+    SUFFIX(rope_store)(q, q_stride, k, k_stride, v, v_stride, cos_, sin_, cs_stride, q_norm,
+                       k_norm, eps, keys, values, cache_rows, positions, rows, heads, kv_heads,
+                       d, length);
+    if (decode_rows > 0)
+        SUFFIX(decode_attention)(q, q_stride, keys, values, cache_rows, positions, out,
+                                 out_stride, decode_rows, heads, kv_heads, d, length, window,
+                                 scratch);
+    SUFFIX(repeat_row0)(out, out_stride, rows, out_rows, heads * d);
+}

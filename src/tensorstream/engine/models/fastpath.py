@@ -145,7 +145,7 @@ class LeanStack:
         padded = padded_rows(rows, x.dtype, packed=True)
         linear = _packed_linear if padded == rows else _padded_linear(rows, padded)
         if self.fusable and batch.token_slots is not None and rowops.usable(x):
-            return self._run_fused(x, cos, sin, batch, padded, linear)
+            return self._run_fused(x, cos, sin, batch, padded)
         norm = _norm_fp32 if x.dtype == torch.float32 else _norm_cast
         eps, split = self.eps, self.intermediate
         cos, sin = cos.view(rows, 1, d), signed_sin(sin).view(rows, 1, d)
@@ -169,25 +169,26 @@ class LeanStack:
         return x.view(rows, 1, -1)
 
     def _run_fused(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Any,
-        padded: int, linear: Any,
-    ) -> torch.Tensor:  # fmt: skip
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Any, padded: int
+    ) -> torch.Tensor:
         """:meth:`run` through the fused row operators (``rowops.py``): one C call per
         stretch between two matmuls, the module path's bits (the residual adds and norms
         fused, padded rows written by the norm and gate operators themselves)."""
-        rows, d, eps, split = x.shape[0], self.head_dim, self.eps, self.intermediate
+        rows, d, eps = x.shape[0], self.head_dim, self.eps
         cos, sin = cos.reshape(rows, d), sin.reshape(rows, d)
         x = x.view(rows, -1)
         normed = torch.empty(padded, x.shape[1], dtype=x.dtype)
+        # The o-projection's input, padded rows filled by the attention call itself.
+        attended = torch.empty(padded, self.heads * d, dtype=x.dtype)
         delta = None
         for layer in self.layers:
             rowops.add_norm(x, layer.inorm, eps, delta=delta, out=normed)
             q, k, v = layer.attn.split_qkv(_packed_linear(normed, layer.qkv)[:rows])
-            out = layer.attn.attend_rows(q, k, v, cos, sin, batch)
-            rowops.add_norm(x, layer.postnorm, eps, delta=linear(out, layer.o), out=normed)
-            up = _packed_linear(normed, layer.gate_up)
-            delta = _packed_linear(rowops.silu_mul(up[:, :split], up[:, split:], rows, padded),
-                                   layer.down)  # fmt: skip
+            layer.attn.attend_rows(q, k, v, cos, sin, batch, out=attended)
+            rowops.add_norm(x, layer.postnorm, eps, delta=_packed_linear(attended, layer.o),
+                            out=normed)  # fmt: skip
+            gated = rowops.silu_mul(_packed_linear(normed, layer.gate_up), None, rows, padded)
+            delta = _packed_linear(gated, layer.down)
         rowops.add_rows(x, delta)
         return x.view(rows, 1, -1)
 

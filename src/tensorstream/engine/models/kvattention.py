@@ -104,45 +104,45 @@ class CacheAttention:
         cos: torch.Tensor,
         sin: torch.Tensor,
         batch: AttentionBatch,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One engine pass's attention through the fused row operators.
 
         Every token row's queries and keys are normed (q/k norms) and rotated in place, its
-        key and value written into the cache at its slot; then the decode rows (the first
-        ``len(batch.decode_slots[0])``) attend their cache row in C, and each prompt chunk
-        of the plan through SDPA over its row, as the torch path does.
+        key and value written into the cache at its slot; the decode rows (the first
+        ``len(batch.decode_slots[0])``) attend their cache row, all in one C call; then each
+        prompt chunk of the plan attends through SDPA over its row, as the torch path does.
 
         Args:
             q, k, v: [token rows, heads * head_dim] (kv heads for k/v), unit element stride;
                 q and k are overwritten.
             cos, sin: [token rows, head_dim], the rows' rotary tables.
             batch: the step (``token_slots`` set).
+            out: where the result goes ([token rows or more, heads * head_dim]; rows past
+                the token rows get copies of row 0, as a padded o-projection takes them),
+                or None for a new tensor.
 
         Returns:
-            [token rows, heads * head_dim].
+            ``out`` (or the new [token rows, heads * head_dim]).
         """
         keys, values = batch.cache.keys[self.layer], batch.cache.values[self.layer]
-        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        rowops.rope_store(
-            q, k, v, cos, sin, keys, values, batch.token_slots, head_dim=self.head_dim,
-            q_norm=None if norms[0] is None else norms[0].weight,
-            k_norm=None if norms[1] is None else norms[1].weight,
-            eps=0.0 if norms[0] is None else norms[0].variance_epsilon,
+        rows = q.shape[0]
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        scratch = batch.shared.get(("scratch",))
+        if scratch is None:  # once per step
+            scratch = batch.shared[("scratch",)] = torch.empty(self.groups * keys.shape[2])
+        decoding = 0 if batch.decode_slots is None else len(batch.decode_slots[0])
+        chunks = [item for item in batch.plan if item[0] == "prefill"]
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        rowops.rope_attend(
+            q, k, v, cos, sin, keys, values, batch.token_slots, decoding,
+            out if decoding and not chunks else out[:rows], head_dim=self.head_dim,
+            window=self.window, scratch=scratch, q_norm=norms[0], k_norm=norms[1],
+            eps=self.q_norm.variance_epsilon if self.qk_norm else 0.0,
         )  # fmt: skip
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if batch.decode_slots is not None:
-            scratch = batch.shared.get(("scratch",))
-            if scratch is None:  # once per step
-                scratch = batch.shared[("scratch",)] = torch.empty(self.groups * keys.shape[2])
-            rowops.decode_attention(
-                q, keys, values, batch.decode_slots, out, head_dim=self.head_dim,
-                window=self.window, scratch=scratch,
-            )  # fmt: skip
         d = self.head_dim
-        for item in batch.plan:
-            if item[0] != "prefill":
-                continue
-            _, first, stop, row, start, mask = item
+        for _, first, stop, row, start, mask in chunks:
             end = start + stop - first
             chunk = F.scaled_dot_product_attention(
                 q[first:stop].view(stop - first, self.heads, d).transpose(0, 1)[None],
@@ -151,6 +151,8 @@ class CacheAttention:
                 enable_gqa=self.groups > 1,
             )  # fmt: skip
             out[first:stop] = chunk[0].transpose(0, 1).reshape(stop - first, -1)
+        if out.shape[0] > rows and (chunks or not decoding):
+            out[rows:] = out[0]
         return out
 
     def _attend_planned(

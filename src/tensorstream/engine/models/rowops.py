@@ -37,6 +37,7 @@ __all__ = [
     "decode_attention",
     "greedy",
     "library",
+    "rope_attend",
     "rope_store",
     "silu_mul",
     "start_build",
@@ -63,17 +64,25 @@ def usable(x: torch.Tensor) -> bool:
     return x.dtype in _NAMES and x.device.type == "cpu" and not torch.is_grad_enabled() and active()
 
 
+_OPS: dict[tuple[str, torch.dtype], ctypes._CFuncPtr] = {}
+
+
 def _op(name: str, dtype: torch.dtype) -> ctypes._CFuncPtr:
-    lib = library()
-    assert lib is not None, "rowops called where library() found none"
-    return lib.ops[name, _NAMES[dtype]]
+    # Called a few hundred times per engine step: the bound function is looked up once.
+    fn = _OPS.get((name, dtype))
+    if fn is None:
+        lib = library()
+        assert lib is not None, "rowops called where library() found none"
+        fn = _OPS[name, dtype] = lib.ops[name, _NAMES[dtype]]
+    return fn
 
 
 def _rows(t: torch.Tensor) -> int:
     """Row stride of a [rows, n] view whose elements are contiguous within a row."""
-    if t.dim() != 2 or t.stride(1) != 1:
-        raise ValueError(f"expected [rows, n] with unit element stride, got {tuple(t.stride())}")
-    return t.stride(0)
+    strides = t.stride()
+    if len(strides) != 2 or strides[1] != 1:
+        raise ValueError(f"expected [rows, n] with unit element stride, got {strides}")
+    return strides[0]
 
 
 def add_norm(
@@ -110,18 +119,27 @@ def add_rows(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(
-    gate: torch.Tensor, up: torch.Tensor, rows: int | None = None, out_rows: int | None = None
+    gate: torch.Tensor,
+    up: torch.Tensor | None = None,
+    rows: int | None = None,
+    out_rows: int | None = None,
 ) -> torch.Tensor:
     """``silu(gate) * up`` (rounded as torch's two operators are), [out_rows, n]: the first
-    ``rows`` rows computed (default all), the rest repeating row 0."""
+    ``rows`` rows computed (default all), the rest repeating row 0. ``up`` None: ``gate``
+    is the joint gate/up projection ([rows, 2n], gate first), split without a view."""
     rows = gate.shape[0] if rows is None else rows
     out_rows = rows if out_rows is None else out_rows
-    n = gate.shape[1]
+    stride = _rows(gate)
+    if up is None:
+        n = gate.shape[1] // 2
+        up_ptr, up_stride = gate.data_ptr() + n * gate.element_size(), stride
+    else:
+        n = gate.shape[1]
+        up_ptr, up_stride = up.data_ptr(), _rows(up)
     out = torch.empty(out_rows, n, dtype=gate.dtype)
     _op("silu_mul", gate.dtype)(
-        gate.data_ptr(), _rows(gate), up.data_ptr(), _rows(up),
-        out.data_ptr(), n, rows, out_rows, n,
-    )  # fmt: skip
+        gate.data_ptr(), stride, up_ptr, up_stride, out.data_ptr(), n, rows, out_rows, n
+    )
     return out
 
 
@@ -186,6 +204,46 @@ def decode_attention(
         q.data_ptr(), _rows(q), keys.data_ptr(), values.data_ptr(),
         cache_rows.data_ptr(), positions.data_ptr(), out.data_ptr(), _rows(out),
         len(cache_rows), heads, kv_heads, head_dim, length, window or 0, scratch.data_ptr(),
+    )  # fmt: skip
+
+
+def rope_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: tuple[torch.Tensor, torch.Tensor],
+    decode_rows: int,
+    out: torch.Tensor,
+    *,
+    head_dim: int,
+    window: int | None,
+    scratch: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> None:
+    """:func:`rope_store` for every row, then :func:`decode_attention` for the first
+    ``decode_rows`` (whose slots come first in ``slots``) into ``out``, in one call. Rows
+    of ``out`` past ``q``'s repeat row 0 (write them only when row 0 is a decode row)."""
+    rows, kv_heads, length = q.shape[0], keys.shape[1], keys.shape[2]
+    heads = q.shape[1] // head_dim
+    if scratch.numel() < heads // kv_heads * length or scratch.dtype != torch.float32:
+        raise ValueError(f"scratch needs {heads // kv_heads * length} float32 values")
+    if decode_rows > rows or out.shape[0] < rows or (out.shape[0] > rows and decode_rows < 1):
+        raise ValueError(f"{decode_rows} decode rows of {rows} into {out.shape[0]} out rows")
+    cache_rows, positions = slots
+    _op("rope_attend", q.dtype)(
+        q.data_ptr(), _rows(q), k.data_ptr(), _rows(k), v.data_ptr(), _rows(v),
+        cos.data_ptr(), sin.data_ptr(), _rows(cos),
+        None if q_norm is None else q_norm.data_ptr(),
+        None if k_norm is None else k_norm.data_ptr(), eps,
+        keys.data_ptr(), values.data_ptr(), cache_rows.data_ptr(), positions.data_ptr(),
+        rows, heads, kv_heads, head_dim, length,
+        decode_rows, out.data_ptr(), _rows(out), out.shape[0], window or 0, scratch.data_ptr(),
     )  # fmt: skip
 
 
