@@ -1,8 +1,9 @@
 """The native models' fused row operators (``engine/csrc/rowops.c``), called on torch tensors.
 
 Owns the calls: the residual add with its RMS norm (:func:`add_norm`), SiLU gating
-(:func:`silu_mul`), the rotary rotation with the KV-cache write (:func:`rope_store`),
-decode attention over the cache (:func:`decode_attention`) and greedy picks
+(:func:`silu_mul`), the rotary rotation with the KV-cache write and decode attention over
+the cache in one call per layer (:func:`rope_attend`; its two halves, :func:`rope_store`
+and :func:`decode_attention`, are callable alone for tests and tools), and greedy picks
 (:func:`greedy`); and whether they run (:func:`active`, :func:`usable`). Building and
 loading the library is ``engine/rowops_build.py``'s.
 
