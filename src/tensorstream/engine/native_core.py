@@ -284,6 +284,10 @@ class NativeEngineCore(EngineCore):
             )
         batch = AttentionBatch(self.cache, plan, None, adapters, slots)
         if fused:
+            # The C operators write the cache at these slots unchecked: make sure here.
+            if max(cache_rows) >= self.cache.rows or max(positions) >= self.cache.length:
+                raise RuntimeError(f"token slots outside the KV cache ({self.cache.rows} rows "
+                                   f"of {self.cache.length} tokens)")  # fmt: skip
             batch.token_slots = (torch.tensor(cache_rows, device=self.device), pos.view(-1))
         hidden = self.model.hidden_states(ids, pos, batch)[:, 0]
         picked = list(range(len(decoding))) + [index for _, index in finishing]

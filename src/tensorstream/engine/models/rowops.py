@@ -144,6 +144,38 @@ def silu_mul(
     return out
 
 
+def _rope_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: tuple[torch.Tensor, torch.Tensor],
+    head_dim: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+) -> tuple:
+    """The C arguments :func:`rope_store` and :func:`rope_attend` share, in their order."""
+    cache_rows, positions = slots
+    return (
+        q.data_ptr(), _rows(q), k.data_ptr(), _rows(k), v.data_ptr(), _rows(v),
+        cos.data_ptr(), sin.data_ptr(), _rows(cos),
+        None if q_norm is None else q_norm.data_ptr(),
+        None if k_norm is None else k_norm.data_ptr(), eps,
+        keys.data_ptr(), values.data_ptr(), cache_rows.data_ptr(), positions.data_ptr(),
+        q.shape[0], q.shape[1] // head_dim, keys.shape[1], head_dim, keys.shape[2],
+    )  # fmt: skip
+
+
+def _check_scratch(scratch: torch.Tensor, heads: int, keys: torch.Tensor) -> None:
+    need = heads // keys.shape[1] * keys.shape[2]
+    if scratch.numel() < need or scratch.dtype != torch.float32:
+        raise ValueError(f"scratch needs {need} float32 values")
+
+
 def rope_store(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -166,18 +198,11 @@ def rope_store(
         q, k, v: [rows, heads * head_dim] / [rows, kv_heads * head_dim] views.
         cos, sin: [rows, head_dim] contiguous, in the activations' dtype.
         keys, values: contiguous [cache rows, kv heads, length, head_dim] slabs.
-        slots: int64 (cache row, position) of each row.
+        slots: int64 (cache row, position) of each row, inside the slabs (the engine's
+            ``KVCache.ensure`` made them so; they are not checked here).
     """
-    rows, kv_heads, length = q.shape[0], keys.shape[1], keys.shape[2]
-    cache_rows, positions = slots
-    _op("rope_store", q.dtype)(
-        q.data_ptr(), _rows(q), k.data_ptr(), _rows(k), v.data_ptr(), _rows(v),
-        cos.data_ptr(), sin.data_ptr(), _rows(cos),
-        None if q_norm is None else q_norm.data_ptr(),
-        None if k_norm is None else k_norm.data_ptr(), eps,
-        keys.data_ptr(), values.data_ptr(), cache_rows.data_ptr(), positions.data_ptr(),
-        rows, q.shape[1] // head_dim, kv_heads, head_dim, length,
-    )  # fmt: skip
+    args = _rope_args(q, k, v, cos, sin, keys, values, slots, head_dim, q_norm, k_norm, eps)
+    _op("rope_store", q.dtype)(*args)
 
 
 def decode_attention(
@@ -197,14 +222,13 @@ def decode_attention(
     ``scratch``: float32, at least (query heads per kv head) x the slabs' length.
     """
     cache_rows, positions = slots
-    kv_heads, length = keys.shape[1], keys.shape[2]
     heads = q.shape[1] // head_dim
-    if scratch.numel() < heads // kv_heads * length or scratch.dtype != torch.float32:
-        raise ValueError(f"scratch needs {heads // kv_heads * length} float32 values")
+    _check_scratch(scratch, heads, keys)
     _op("decode_attention", q.dtype)(
         q.data_ptr(), _rows(q), keys.data_ptr(), values.data_ptr(),
         cache_rows.data_ptr(), positions.data_ptr(), out.data_ptr(), _rows(out),
-        len(cache_rows), heads, kv_heads, head_dim, length, window or 0, scratch.data_ptr(),
+        len(cache_rows), heads, keys.shape[1], head_dim, keys.shape[2], window or 0,
+        scratch.data_ptr(),
     )  # fmt: skip
 
 
@@ -230,21 +254,14 @@ def rope_attend(
     """:func:`rope_store` for every row, then :func:`decode_attention` for the first
     ``decode_rows`` (whose slots come first in ``slots``) into ``out``, in one call. Rows
     of ``out`` past ``q``'s repeat row 0 (write them only when row 0 is a decode row)."""
-    rows, kv_heads, length = q.shape[0], keys.shape[1], keys.shape[2]
-    heads = q.shape[1] // head_dim
-    if scratch.numel() < heads // kv_heads * length or scratch.dtype != torch.float32:
-        raise ValueError(f"scratch needs {heads // kv_heads * length} float32 values")
+    rows = q.shape[0]
+    _check_scratch(scratch, q.shape[1] // head_dim, keys)
     if decode_rows > rows or out.shape[0] < rows or (out.shape[0] > rows and decode_rows < 1):
         raise ValueError(f"{decode_rows} decode rows of {rows} into {out.shape[0]} out rows")
-    cache_rows, positions = slots
+    args = _rope_args(q, k, v, cos, sin, keys, values, slots, head_dim, q_norm, k_norm, eps)
     _op("rope_attend", q.dtype)(
-        q.data_ptr(), _rows(q), k.data_ptr(), _rows(k), v.data_ptr(), _rows(v),
-        cos.data_ptr(), sin.data_ptr(), _rows(cos),
-        None if q_norm is None else q_norm.data_ptr(),
-        None if k_norm is None else k_norm.data_ptr(), eps,
-        keys.data_ptr(), values.data_ptr(), cache_rows.data_ptr(), positions.data_ptr(),
-        rows, heads, kv_heads, head_dim, length,
-        decode_rows, out.data_ptr(), _rows(out), out.shape[0], window or 0, scratch.data_ptr(),
+        *args, decode_rows, out.data_ptr(), _rows(out), out.shape[0], window or 0,
+        scratch.data_ptr(),
     )  # fmt: skip
 
 
