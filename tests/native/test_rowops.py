@@ -348,3 +348,21 @@ def test_rope_attend_is_rope_store_then_decode_attention(padded):
         with pytest.raises(ValueError, match="0 decode rows of 3 into 5 out rows"):
             rowops.rope_attend(*views(two), cos, sin, keys2, values2, slots, 0, out,
                                head_dim=d, window=None, scratch=scratch)  # fmt: skip
+
+
+@needs_library
+def test_a_plain_forward_keeps_torch_operators_on_packed_layers(tiny, monkeypatch):
+    """``model(input_ids)`` is not an engine pass: its MLP gates with torch's SiLU even where
+    gate/up are packed into one matmul (float32 packs on AVX2 hosts; forced here)."""
+    from tensorstream.engine.models import packing
+
+    monkeypatch.setattr(packing, "packed_dtype", lambda dtype: True)
+    llm = LLM(str(tiny("llama")), device="cpu", dtype="float32")
+    mlp = llm.model.model.layers[0].mlp
+    x = torch.randn(2, 7, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got = mlp(x)
+        assert isinstance(mlp.__dict__.get("_gate_up"), packing.FusedLinear)  # packed
+        gate, up = mlp.__dict__["_gate_up"](x).split(mlp.__dict__["_gate_up"].sizes, dim=-1)
+        expected = mlp.down_proj(F.silu(gate) * up)
+    assert torch.equal(got, expected)

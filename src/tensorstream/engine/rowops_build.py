@@ -131,8 +131,9 @@ def _cache_dir() -> Path:
 
 def _compiler() -> str | None:
     for name in (os.environ.get("CC", ""), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+        found = shutil.which(name) if name else None
+        if found:
+            return found
     return None
 
 

@@ -29,9 +29,8 @@
 #endif
 
 #define W 16 /* lanes of a vector */
-/* Query heads per kv head times head_dim, at most (rowops.MAX_GROUP_VALUES); head_dim
- * at most W * MAX_HEAD_VECTORS (rowops.MAX_HEAD_DIM). */
-#define MAX_GROUP_VALUES 4096
+/* head_dim at most W * MAX_HEAD_VECTORS (rowops.MAX_HEAD_DIM): the attention keeps one
+ * query head's vectors, and its weighted sum's, in arrays of this size. */
 #define MAX_HEAD_VECTORS 32 /* of W lanes; pairs of them: MAX_HEAD_VECTORS / 2 */
 typedef float vf __attribute__((vector_size(4 * W)));
 typedef uint32_t vu __attribute__((vector_size(4 * W)));

@@ -140,12 +140,12 @@ class LeanStack:
         from tensorstream.engine.models.llama import padded_rows
 
         rows = x.shape[0]
-        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        qk_width = (heads + kv_heads) * d
         padded = padded_rows(rows, x.dtype, packed=True)
-        linear = _packed_linear if padded == rows else _padded_linear(rows, padded)
         if self.fusable and batch.token_slots is not None and rowops.usable(x):
             return self._run_fused(x, cos, sin, batch, padded)
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        qk_width = (heads + kv_heads) * d
+        linear = _packed_linear if padded == rows else _padded_linear(rows, padded)
         norm = _norm_fp32 if x.dtype == torch.float32 else _norm_cast
         eps, split = self.eps, self.intermediate
         cos, sin = cos.view(rows, 1, d), signed_sin(sin).view(rows, 1, d)

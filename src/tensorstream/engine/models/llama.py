@@ -296,10 +296,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor, lora: Any = None, fused: bool = False) -> torch.Tensor:
+        """``fused``: an engine pass on the fused row operators (:func:`fused_pass`)."""
         p = self.prefix
-        fused = _fusion(self, "_gate_up", (self.gate_proj, self.up_proj), x)
-        if fused is not None:
-            gate, up = _fused_linear(x, fused, lora, (p + "gate_proj", p + "up_proj"))
+        joint = _fusion(self, "_gate_up", (self.gate_proj, self.up_proj), x)
+        if joint is not None:
+            gate, up = _fused_linear(x, joint, lora, (p + "gate_proj", p + "up_proj"))
         else:
             gate = _linear(x, self.gate_proj, lora, p + "gate_proj")
             up = _linear(x, self.up_proj, lora, p + "up_proj")

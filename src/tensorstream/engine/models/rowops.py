@@ -45,8 +45,10 @@ __all__ = [
     "usable",
 ]
 
-#: The C attention's per-kv-head buffers (``MAX_GROUP_VALUES``, ``MAX_HEAD_VECTORS`` in
-#: rowops.c): query heads per kv head times head_dim, and head_dim, at most these.
+#: Shapes the fused attention takes: head_dim at most ``MAX_HEAD_DIM`` (its per-head
+#: arrays, ``MAX_HEAD_VECTORS`` in rowops.c), and query heads per kv head times head_dim
+#: at most ``MAX_GROUP_VALUES`` (the bound of its first version, kept: wider groups run
+#: torch's operators).
 MAX_GROUP_VALUES = 4096
 MAX_HEAD_DIM = 512
 #: False: the models run torch's operators even where the library is loaded (benchmarks
