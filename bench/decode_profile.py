@@ -44,6 +44,7 @@ SWITCHES = {
                   "one padded attention call", "one per length"),
     "lean": ("fastpath", "ENABLED", True, False, "lean pass", "modules"),
     "rowops": ("rowops", "ENABLED", True, False, "fused row operators", "torch operators"),
+    "rowmatmul": ("rowmatmul", "ENABLED", True, False, "AMX decode-row matmul", "oneDNN"),
 }  # fmt: skip
 
 
@@ -171,6 +172,11 @@ def main() -> None:
         "--compare-rowops",
         action="store_const", const="rowops", dest="compare",
         help="alternate the fused row operators (engine/models/rowops.py) and torch's, per step",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compare-rowmatmul",
+        action="store_const", const="rowmatmul", dest="compare",
+        help="alternate the AMX decode-row matmul (engine/models/rowmatmul.py) and oneDNN's",
     )  # fmt: skip
     args = parser.parse_args()
 

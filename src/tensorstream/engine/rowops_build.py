@@ -39,7 +39,7 @@ __all__ = ["ENV", "SUFFIXES", "library", "start_build"]
 logger = logging.getLogger("tensorstream.engine")
 
 ENV = "TENSORSTREAM_ROWOPS"
-_ABI = 3
+_ABI = 4
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
 #: dtype name -> the C functions' suffix.
 SUFFIXES = {"bfloat16": "bf16", "float32": "float"}
@@ -56,6 +56,7 @@ _SIGNATURES = {
     + [_I] * 5
     + [_I, _P, _I, _I, _I, _P],
 }
+_MATMUL = [_P, _I, _I, _I, _I, _P, _P, _P, _I]
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -79,6 +80,17 @@ class _Library:
                 fn = getattr(self.cdll, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self.ops[name, dtype] = fn
+        # The small-batch matmul (csrc/rowmatmul.h): bfloat16 only, AMX hosts only.
+        self.matmul = self.cdll.rowmatmul_bf16
+        self.matmul.argtypes, self.matmul.restype = _MATMUL, ctypes.c_int
+        self.cdll.rowmatmul_ready.restype = ctypes.c_int
+        self._matmul_ready: bool | None = None
+
+    def matmul_ready(self) -> bool:
+        """Whether this build has the AMX matmul and the kernel lets the process use it."""
+        if self._matmul_ready is None:
+            self._matmul_ready = bool(self.cdll.rowmatmul_ready())
+        return self._matmul_ready
 
 
 def _mode() -> str:

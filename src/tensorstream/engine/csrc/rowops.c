@@ -218,5 +218,7 @@ static inline vf vid_f32(vf f) { return f; }
 #define VSTORE2 vstore2_f32
 #include "rowops_impl.h"
 
+#include "rowmatmul.h"
+
 /* The version the Python side checks before binding (bump with any signature change). */
-int rowops_abi(void) { return 3; }
+int rowops_abi(void) { return 4; }

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-from tensorstream.engine.models import packing, rowops
+from tensorstream.engine.models import packing, rowmatmul, rowops
 from tensorstream.engine.models.packing import FusedLinear
 from tensorstream.engine.models.rope import rotate_rolled, signed_sin
 
@@ -210,7 +210,8 @@ def _norm_cast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 def _packed_linear(x: torch.Tensor, fused: FusedLinear) -> torch.Tensor:
     # FusedLinear.__call__ without its reshapes: ``x`` is already [rows, features].
-    return _linear(x, fused.packed, fused.bias, "none", [], "")
+    out = rowmatmul.matmul(x, fused)
+    return _linear(x, fused.packed, fused.bias, "none", [], "") if out is None else out
 
 
 def _padded_linear(rows: int, padded: int) -> Any:

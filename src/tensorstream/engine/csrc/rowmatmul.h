@@ -1,0 +1,149 @@
+/* Small-batch matmuls on AMX tiles: y = x W^T (+ bias) for a few bfloat16 rows.
+ *
+ * Included by rowops.c; called through engine/models/rowmatmul.py. A decode step
+ * multiplies a few rows by every weight of the model once, so it is bound by streaming
+ * the weights from memory. On one core of an AMX Xeon, oneDNN's packed matmul streamed
+ * SmolLM2's weights at 8.3-9.7 GB/s and paid ~17 us of set-up per call; this kernel reads
+ * the very same packed bytes (oneDNN's AB16b32a2b layout, no copy of its own) at
+ * 10-12.6 GB/s, against 14.5 GB/s for a bare read loop.
+ *
+ * x rows are tile A straight from memory (up to 16 rows x 32 inputs); the packed weights
+ * are tile B (16 input pairs x 16 outputs), read as one sequential stream per 32 outputs;
+ * the accumulators hold 16 rows x 16 outputs in float32. Every output is the same sum in
+ * the same order whatever the number of rows (a row gets the same bits alone or in a
+ * batch), and for 3-32 rows the same as oneDNN's (measured; rowmatmul.py says where).
+ *
+ * Shapes: inputs and outputs multiples of 32.
+ */
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#include <immintrin.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+int rowmatmul_ready(void) {
+    /* Linux hands out the tile state per process on request (torch may have asked already). */
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+static inline __m256i round_to_bf16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000)); /* quiet NaN */
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+static inline __m512 bias_vector(const bf16 *bias) {
+    if (!bias) return _mm512_setzero_ps();
+    __m256i h = _mm256_loadu_si256((const void *)bias);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static void configure(int64_t rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 7; t++) cfg.colsb[t] = 64; /* tile 7 unused: rows and bytes 0 */
+    for (int t = 0; t < 4; t++) cfg.rows[t] = (uint8_t)rows; /* accumulators: rows x 16 */
+    cfg.rows[4] = (uint8_t)rows;                             /* x: rows x 32 inputs */
+    cfg.rows[5] = cfg.rows[6] = 16;                          /* weights: 16 pairs x 16 */
+    _tile_loadconfig(&cfg);
+}
+
+/* acc: rows x 16 float32 (64-byte rows); y[m][0..15] = bf16(acc[m] + bias). */
+static inline void store_rows(const float *acc, int64_t rows, __m512 bias, bf16 *y, int64_t ldy) {
+    for (int64_t m = 0; m < rows; m++)
+        _mm256_storeu_si256((void *)(y + m * ldy),
+                            round_to_bf16(_mm512_add_ps(_mm512_load_ps(acc + 16 * m), bias)));
+}
+
+/* Accumulates x rows [rows x k] times the outputs of one or two 32-output blocks
+ * (`pair`) into tiles 0-3 and writes them, rounded and with the bias, to y. */
+static inline void block_rows(const bf16 *x, int64_t rows, int64_t ldx, int64_t kb,
+                              const bf16 *w0, int64_t block, int pair, const bf16 *bias,
+                              bf16 *y, int64_t ldy) {
+    float acc[4][256] __attribute__((aligned(64)));
+    _tile_zero(0);
+    _tile_zero(1);
+    if (pair) {
+        const bf16 *w1 = w0 + block;
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t b = 0; b < kb; b++) {
+            _tile_loadd(4, x + b * 32, ldx * 2);
+            _tile_loadd(5, w0 + b * 1024, 128);
+            _tile_loadd(6, w0 + b * 1024 + 32, 128);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+            _tile_loadd(5, w1 + b * 1024, 128);
+            _tile_loadd(6, w1 + b * 1024 + 32, 128);
+            _tile_dpbf16ps(2, 4, 5);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(2, acc[2], 64);
+        _tile_stored(3, acc[3], 64);
+    } else {
+        for (int64_t b = 0; b < kb; b++) {
+            _tile_loadd(4, x + b * 32, ldx * 2);
+            _tile_loadd(5, w0 + b * 1024, 128);
+            _tile_loadd(6, w0 + b * 1024 + 32, 128);
+            _tile_dpbf16ps(0, 4, 5);
+            _tile_dpbf16ps(1, 4, 6);
+        }
+    }
+    _tile_stored(0, acc[0], 64);
+    _tile_stored(1, acc[1], 64);
+    for (int j = 0; j < (pair ? 4 : 2); j++)
+        store_rows(acc[j], rows, bias_vector(bias ? bias + 16 * j : NULL), y + 16 * j, ldy);
+}
+
+/* y = x W^T (+ bias). x: [m, k] bfloat16 (row stride ldx); W: n x k in oneDNN's packed
+ * bf16 layout for AMX (AB16b32a2b: [n/32][k/32][16 input pairs][32 outputs][2]); bias:
+ * [n] or NULL; y: [m, n] (row stride ldy). n and k multiples of 32.
+ * Outputs are walked in pairs of blocks (64), rows in tiles of 16 inside each pair, so a
+ * pair's weights (64 x k) come from memory once and from cache for the next 16 rows. */
+int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
+                   const bf16 *packed, const bf16 *bias, bf16 *y, int64_t ldy) {
+    const int64_t kb = k / 32, block = 32 * k; /* elements of one 32-output block */
+    int64_t configured = -1;
+    for (int64_t n0 = 0; n0 < n; n0 += 64) {
+        const int pair = n0 + 64 <= n;
+        const bf16 *w0 = packed + (n0 / 32) * block;
+        for (int64_t m0 = 0; m0 < m; m0 += 16) {
+            const int64_t rows = m - m0 < 16 ? m - m0 : 16;
+            if (rows != configured) {
+                configure(rows);
+                configured = rows;
+            }
+            block_rows(x + m0 * ldx, rows, ldx, kb, w0, block, pair, bias ? bias + n0 : NULL,
+                       y + m0 * ldy + n0, ldy);
+        }
+    }
+    _tile_release();
+    return 0;
+}
+
+#else /* no AMX in this build: the Python side keeps oneDNN's matmuls */
+
+int rowmatmul_ready(void) { return 0; }
+
+int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
+                   const bf16 *packed, const bf16 *bias, bf16 *y, int64_t ldy) {
+    (void)x; (void)m; (void)ldx; (void)k; (void)n; (void)packed; (void)bias; (void)y; (void)ldy;
+    return -1;
+}
+
+#endif

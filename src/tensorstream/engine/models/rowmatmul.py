@@ -1,0 +1,144 @@
+"""Small-batch matmuls on AMX tiles over oneDNN's own packed weights (``csrc/rowmatmul.h``).
+
+Owns: whether a packed matmul (:class:`~tensorstream.engine.models.packing.FusedLinear`)
+of a few rows runs through the C kernel (:func:`matmul`), and the checked view of the
+packed weights it reads (:class:`Plan`).
+
+Why: a decode step multiplies a few rows by every weight of the model once, so it is
+bound by streaming the weights from memory. On one core of an AMX Xeon, oneDNN's packed
+bf16 matmul streamed SmolLM2's weights at 8.3-9.7 GB/s for 1-48 rows, and paid ~17 us of
+set-up per call; the kernel here reads the very same packed bytes at 10-12.6 GB/s (a bare
+read loop: 14.5) with ~1 us of set-up (``bench.decode_profile --compare-rowmatmul``
+alternates the two per step). No second copy of the weights.
+
+Bits: for 3 to :data:`MAX_ROWS` rows oneDNN's kernel and this one add the same products
+in the same order; measured equal bit for bit on every shape of the supported models
+(``tests/native/test_rowmatmul.py``), so switching changes no output. One or two rows
+get the bits oneDNN gives them padded to four (``llama.padded_rows``): each output of
+this kernel depends on its own row only. Above :data:`MAX_ROWS` rows oneDNN blocks its
+sums differently, so those stay oneDNN's.
+
+Where it runs: bfloat16 on a CPU with AMX (the C library built, ``rowops``), one compute
+thread (with more, oneDNN spreads each matmul over them and wins: 13.8 vs 17.7 ms per
+16-row pass on two), outputs and inputs multiples of 32, the packed weights in the layout
+checked by :class:`Plan`. ``ENABLED = False`` (or ``TENSORSTREAM_ROWOPS=0``) keeps oneDNN.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from tensorstream.engine.models import rowops
+
+if TYPE_CHECKING:
+    from tensorstream.engine.models.packing import FusedLinear
+
+__all__ = ["ENABLED", "MAX_ROWS", "Plan", "active", "matmul", "plan"]
+
+#: False keeps oneDNN's matmuls (benchmarks alternate the two; tests run both).
+ENABLED = True
+#: The most rows this kernel takes: up to here its bits are oneDNN's (measured).
+MAX_ROWS = 32
+#: Weights are packed in blocks of 32 outputs x 32 inputs (2 KiB of bfloat16).
+_BLOCK = 32
+
+
+def active() -> bool:
+    """Whether the kernel may run in this process now (library, AMX, one thread)."""
+    if not ENABLED or torch.get_num_threads() != 1 or not rowops.active():
+        return False
+    lib = rowops.library()
+    return lib is not None and lib.matmul_ready()
+
+
+class Plan:
+    """A :class:`FusedLinear`'s packed weights as the kernel reads them, checked.
+
+    oneDNN chooses its packed layout per CPU and shape; the kernel reads one
+    (``AB16b32a2b``: per 32 outputs, per 32 inputs, 16 input pairs x 32 outputs x 2).
+    :meth:`build` confirms it on three blocks against the layers' own weights (and that
+    nothing is padded) before any call, and answers None for anything else.
+    """
+
+    def __init__(self, pointer: int, outputs: int, inputs: int, bias: torch.Tensor | None):
+        self.pointer = pointer
+        self.outputs = outputs
+        self.inputs = inputs
+        self.bias = bias  # kept alive with the plan
+        self.bias_pointer = None if bias is None else bias.data_ptr()
+
+    @classmethod
+    def build(cls, fused: FusedLinear) -> Plan | None:
+        weights = [layer.weight for layer in fused.layers]
+        outputs, inputs = sum(fused.sizes), weights[0].shape[1]
+        if outputs % _BLOCK or inputs % _BLOCK:
+            return None
+        if any(w.dtype != torch.bfloat16 or w.device.type != "cpu" for w in weights):
+            return None
+        bias = fused.bias
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            return None
+        packed = fused.packed
+        try:
+            pointer = torch.ops.mkldnn.data_ptr(packed)
+            nbytes = torch.ops.mkldnn._nbytes(packed)
+        except (AttributeError, RuntimeError):
+            return None
+        if not pointer or nbytes != outputs * inputs * 2:
+            return None
+        raw = (ctypes.c_uint16 * (outputs * inputs)).from_address(pointer)
+        stored = torch.frombuffer(raw, dtype=torch.bfloat16)
+        row_blocks, column_blocks = outputs // _BLOCK, inputs // _BLOCK
+        for o, i in {(0, 0), (row_blocks // 2, column_blocks // 2),
+                     (row_blocks - 1, column_blocks - 1)}:  # fmt: skip
+            rows = _rows(weights, o * _BLOCK)
+            block = rows[:, i * _BLOCK : (i + 1) * _BLOCK].reshape(_BLOCK, _BLOCK // 2, 2)
+            expected = block.permute(1, 0, 2).reshape(-1)
+            start = (o * column_blocks + i) * _BLOCK * _BLOCK
+            if not torch.equal(stored[start : start + _BLOCK * _BLOCK], expected):
+                return None
+        return cls(pointer, outputs, inputs, bias)
+
+
+def _rows(weights: list[torch.Tensor], first: int) -> torch.Tensor:
+    """Rows ``first .. first + 32`` of the layers' weights stacked (what oneDNN packed)."""
+    parts, start = [], 0
+    for weight in weights:
+        stop = start + weight.shape[0]
+        if stop > first and start < first + _BLOCK:
+            parts.append(weight[max(first - start, 0) : first + _BLOCK - start])
+        start = stop
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def plan(fused: FusedLinear) -> Plan | None:
+    """``fused``'s :class:`Plan`, built once per packed matmul (None: not this kernel's)."""
+    state = fused.__dict__
+    found = state.get("_rowmatmul")
+    if found is None:
+        found = state["_rowmatmul"] = Plan.build(fused) or False
+    return found or None
+
+
+def matmul(x: torch.Tensor, fused: FusedLinear) -> torch.Tensor | None:
+    """``fused``'s outputs for rows ``x`` ([rows, inputs]) through the kernel, or None where
+    it does not apply (the caller runs oneDNN's)."""
+    rows = x.shape[0]
+    if not 0 < rows <= MAX_ROWS or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+        return None
+    if not active():
+        return None
+    layers = plan(fused)
+    if layers is None:
+        return None
+    out = torch.empty(rows, layers.outputs, dtype=x.dtype)
+    lib = rowops.library()
+    assert lib is not None  # active() said so
+    lib.matmul(
+        x.data_ptr(), rows, x.stride(0), layers.inputs, layers.outputs,
+        layers.pointer, layers.bias_pointer, out.data_ptr(), layers.outputs,
+    )  # fmt: skip
+    return out
