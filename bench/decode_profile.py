@@ -44,7 +44,8 @@ SWITCHES = {
                   "one padded attention call", "one per length"),
     "lean": ("fastpath", "ENABLED", True, False, "lean pass", "modules"),
     "rowops": ("rowops", "ENABLED", True, False, "fused row operators", "torch operators"),
-    "rowmatmul": ("rowmatmul", "ENABLED", True, False, "AMX decode-row matmul", "oneDNN"),
+    "rowmatmul": ("rowmatmul", "ENABLED", True, False, "AMX small-batch matmul", "oneDNN alone"),
+    "stack": ("rowmatmul", "STACK", True, False, "one C call per step", "Python lean pass"),
 }  # fmt: skip
 
 
@@ -176,7 +177,12 @@ def main() -> None:
     parser.add_argument(
         "--compare-rowmatmul",
         action="store_const", const="rowmatmul", dest="compare",
-        help="alternate the AMX decode-row matmul (engine/models/rowmatmul.py) and oneDNN's",
+        help="alternate the AMX small-batch matmul (engine/models/rowmatmul.py) and oneDNN alone",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compare-stack",
+        action="store_const", const="stack", dest="compare",
+        help="alternate decode steps as one C call (rowmatmul.DecodeStack) and the Python pass",
     )  # fmt: skip
     args = parser.parse_args()
 

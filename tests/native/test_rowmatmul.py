@@ -171,3 +171,51 @@ def test_engine_outputs_are_the_same_with_and_without_it(kernel, smollm2_dir, mo
         if enabled:
             assert llm.model.config.vocab_size in calls  # the LM head too
     assert runs[True][0] == runs[True][1] == runs[False][0]
+
+
+@pytest.mark.parametrize("arch", ["builtin", "qwen2", "qwen3", "mistral"])
+def test_decode_steps_in_one_call_give_the_python_pass_bits(kernel, arch, tiny, smollm2_dir,
+                                                            monkeypatch):  # fmt: skip
+    """``DecodeStack`` (a decode step's layers as one C call) against the Python lean pass
+    it replaces: every token and logprob equal, staggered arrivals included, and the C
+    call really ran. Qwen2 has biases, Qwen3 q/k norms."""
+    from tensorstream.engine import LLM, SamplingParams
+
+    model_dir = smollm2_dir if arch == "builtin" else tiny(arch)
+    llm = LLM(str(model_dir), dtype="bfloat16", model_impl="native", cpu_threads=1)
+    lib = rowops.library()
+    real, rows = lib.decode_stack, []
+
+    def counted(*args):
+        rows.append(args[1])
+        return real(*args)
+
+    monkeypatch.setattr(lib, "decode_stack", counted)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+    def run() -> list:
+        core = llm.engine
+        ids = [llm.tokenizer.encode(p) for p in ("The capital of France is", "1, 2, 3,", "Hi")]
+        finished, step = {}, 0
+        requests = {}
+        while step < 2 or core.has_unfinished_requests():
+            if step < len(ids):  # one new request per step: prompt rows beside decode rows
+                requests[core.add_request(ids[step], params)] = step
+            for out in core.step():
+                if out.finished:
+                    done = out.outputs[0]
+                    finished[requests[out.request_id]] = (
+                        done.token_ids,
+                        [sorted((t, p.logprob) for t, p in d.items()) for d in done.logprobs],
+                    )
+            step += 1
+        return [finished[i] for i in range(len(ids))]
+
+    run()  # packs the layers (the lean pass needs them all packed)
+    monkeypatch.setattr(rowmatmul, "STACK", False)
+    rows.clear()
+    python_pass = run()
+    assert not rows
+    monkeypatch.setattr(rowmatmul, "STACK", True)
+    assert run() == python_pass
+    assert rows and max(rows) == 3  # decode-only steps of up to all three requests

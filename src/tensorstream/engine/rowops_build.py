@@ -57,6 +57,7 @@ _SIGNATURES = {
     + [_I, _P, _I, _I, _I, _P],
 }
 _MATMUL = [_P, _I, _I, _I, _I, _P, _P, _P, _I]
+_DECODE_STACK = [_P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _F, _F] + [_P] * 11
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
@@ -84,6 +85,8 @@ class _Library:
         self.matmul = self.cdll.rowmatmul_bf16
         self.matmul.argtypes, self.matmul.restype = _MATMUL, ctypes.c_int
         self.cdll.rowmatmul_ready.restype = ctypes.c_int
+        self.decode_stack = self.cdll.decode_stack_bf16
+        self.decode_stack.argtypes, self.decode_stack.restype = _DECODE_STACK, ctypes.c_int
         self._matmul_ready: bool | None = None
 
     def matmul_ready(self) -> bool:

@@ -136,6 +136,54 @@ int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
     return 0;
 }
 
+/* One decoder layer's tensors for decode_stack_bf16 (rowmatmul.py fills an array). */
+typedef struct {
+    const bf16 *inorm, *postnorm, *q_norm, *k_norm; /* q/k norms NULL where absent */
+    const bf16 *qkv, *qkv_bias, *o, *o_bias;       /* packed weights (oneDNN's layout) */
+    const bf16 *gate_up, *gate_up_bias, *down, *down_bias;
+    bf16 *keys, *values; /* this layer's cache slabs */
+    int64_t window;      /* 0: none */
+} stack_layer;
+
+/* A whole decode step's decoder layers for `rows` decode rows (no prompt rows), as
+ * fastpath.LeanStack._run_fused computes them, operation for operation, with no Python
+ * between: x += every layer's residual updates, in place. Scratch, all [rows, width]:
+ * normed (hidden), qkv ((heads + 2 kv_heads) d), attended (heads d), delta (hidden),
+ * up (2 intermediate), gated (intermediate); scratch_f: float32 for the attention. */
+int decode_stack_bf16(bf16 *x, int64_t rows, int64_t hidden, int64_t layers,
+                      const stack_layer *stack, int64_t heads, int64_t kv_heads, int64_t d,
+                      int64_t intermediate, int64_t length, float eps, float qk_eps,
+                      const bf16 *cos_, const bf16 *sin_, const int64_t *cache_rows,
+                      const int64_t *positions, bf16 *normed, bf16 *qkv, bf16 *attended,
+                      bf16 *delta, bf16 *up, bf16 *gated, float *scratch_f) {
+    const int64_t q_width = heads * d, kv_width = kv_heads * d;
+    const int64_t qkv_width = q_width + 2 * kv_width, up_width = 2 * intermediate;
+    const bf16 *residual = NULL;
+    for (int64_t l = 0; l < layers; l++) {
+        const stack_layer *L = stack + l;
+        add_norm_bf16(x, hidden, residual, hidden, L->inorm, normed, hidden, rows, rows, hidden,
+                      eps);
+        rowmatmul_bf16(normed, rows, hidden, hidden, qkv_width, L->qkv, L->qkv_bias, qkv,
+                       qkv_width);
+        rope_attend_bf16(qkv, qkv_width, qkv + q_width, qkv_width, qkv + q_width + kv_width,
+                         qkv_width, cos_, sin_, d, L->q_norm, L->k_norm, qk_eps, L->keys,
+                         L->values, cache_rows, positions, rows, heads, kv_heads, d, length,
+                         rows, attended, q_width, rows, L->window, scratch_f);
+        rowmatmul_bf16(attended, rows, q_width, q_width, hidden, L->o, L->o_bias, delta, hidden);
+        add_norm_bf16(x, hidden, delta, hidden, L->postnorm, normed, hidden, rows, rows, hidden,
+                      eps);
+        rowmatmul_bf16(normed, rows, hidden, hidden, up_width, L->gate_up, L->gate_up_bias, up,
+                       up_width);
+        silu_mul_bf16(up, up_width, up + intermediate, up_width, gated, intermediate, rows, rows,
+                      intermediate);
+        rowmatmul_bf16(gated, rows, intermediate, intermediate, hidden, L->down, L->down_bias,
+                       delta, hidden);
+        residual = delta;
+    }
+    if (residual) add_rows_bf16(x, hidden, residual, hidden, rows, hidden);
+    return 0;
+}
+
 #else /* no AMX in this build: the Python side keeps oneDNN's matmuls */
 
 int rowmatmul_ready(void) { return 0; }
@@ -145,5 +193,7 @@ int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
     (void)x; (void)m; (void)ldx; (void)k; (void)n; (void)packed; (void)bias; (void)y; (void)ldy;
     return -1;
 }
+
+int decode_stack_bf16(void) { return -1; } /* never called: rowmatmul_ready() said 0 */
 
 #endif

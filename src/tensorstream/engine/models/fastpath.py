@@ -142,6 +142,9 @@ class LeanStack:
         rows = x.shape[0]
         padded = padded_rows(rows, x.dtype, packed=True)
         if self.fusable and batch.token_slots is not None and rowops.usable(x):
+            stack = self._decode_stack()
+            if stack is not None and stack.takes(rows, batch):
+                return stack.run(x, cos, sin, batch)
             return self._run_fused(x, cos, sin, batch, padded)
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         qk_width = (heads + kv_heads) * d
@@ -167,6 +170,15 @@ class LeanStack:
             up = linear(norm(x, layer.postnorm, eps), layer.gate_up)
             x = x + linear(F.silu(up[:, :split]) * up[:, split:], layer.down)
         return x.view(rows, 1, -1)
+
+    def _decode_stack(self) -> rowmatmul.DecodeStack | None:
+        """The layers as one C call per decode step (built once; None: not this model)."""
+        if not rowmatmul.STACK:
+            return None
+        stack = self.__dict__.get("_stack")
+        if stack is None:
+            stack = self.__dict__["_stack"] = rowmatmul.DecodeStack.build(self) or False
+        return stack or None
 
     def _run_fused(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: Any, padded: int

@@ -36,10 +36,13 @@ from tensorstream.engine.models import rowops
 if TYPE_CHECKING:
     from tensorstream.engine.models.packing import FusedLinear
 
-__all__ = ["ENABLED", "MAX_ROWS", "Plan", "active", "matmul", "plan"]
+__all__ = ["ENABLED", "MAX_ROWS", "STACK", "DecodeStack", "Plan", "active", "matmul", "plan"]
 
 #: False keeps oneDNN's matmuls (benchmarks alternate the two; tests run both).
 ENABLED = True
+#: False runs decode steps through the Python lean pass even where :class:`DecodeStack`
+#: could (benchmarks alternate the two; tests compare them).
+STACK = True
 #: The most rows this kernel takes: up to here its bits are oneDNN's (measured).
 MAX_ROWS = 32
 #: Weights are packed in blocks of 32 outputs x 32 inputs (2 KiB of bfloat16).
@@ -142,3 +145,108 @@ def matmul(x: torch.Tensor, fused: FusedLinear) -> torch.Tensor | None:
         layers.pointer, layers.bias_pointer, out.data_ptr(), layers.outputs,
     )  # fmt: skip
     return out
+
+
+_POINTERS = ("inorm", "postnorm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias",
+             "gate_up", "gate_up_bias", "down", "down_bias", "keys", "values")  # fmt: skip
+
+
+class _StackLayer(ctypes.Structure):
+    """``stack_layer`` in csrc/rowmatmul.h."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in _POINTERS] + [("window", ctypes.c_int64)]
+
+
+class DecodeStack:
+    """A lean pass's decoder layers as one C call per decode step (``decode_stack_bf16``).
+
+    The same operators in the same order as ``fastpath.LeanStack._run_fused`` with this
+    module's matmul (so the same bits: tested), without the ~8 Python calls per layer
+    between them: at 16 rows a SmolLM2 step spent ~2 ms of its ~33 there. It takes steps
+    of decode rows only, at most :data:`MAX_ROWS`; anything else runs the Python pass.
+    Build with :meth:`build` from a lean stack (None where a layer does not qualify).
+    """
+
+    def __init__(self, lean: object, layers: ctypes.Array, groups: int, qk_eps: float) -> None:
+        self.lean = lean
+        self.layers = layers
+        self.groups = groups
+        self.qk_eps = qk_eps
+        self.attention = [layer.attn for layer in lean.layers]  # type: ignore[attr-defined]
+        self._cache: tuple[int, ...] = ()
+
+    @classmethod
+    def build(cls, lean: object) -> DecodeStack | None:
+        layers = lean.layers  # type: ignore[attr-defined]
+        if lean.dtype != torch.bfloat16 or not lean.fusable:  # type: ignore[attr-defined]
+            return None
+        array = (_StackLayer * len(layers))()
+        epsilons = set()
+        for entry, layer in zip(array, layers, strict=True):
+            plans = [plan(f) for f in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            if any(p is None for p in plans):
+                return None
+            for name, p in zip(("qkv", "o", "gate_up", "down"), plans, strict=True):
+                setattr(entry, name, p.pointer)
+                setattr(entry, name + "_bias", p.bias_pointer)
+            norms = {"inorm": layer.inorm, "postnorm": layer.postnorm,
+                     "q_norm": layer.q_norm, "k_norm": layer.kv_norm}  # fmt: skip
+            for name, tensor in norms.items():
+                if tensor is not None and (
+                    tensor.dtype != torch.bfloat16 or not tensor.is_contiguous()
+                ):
+                    return None
+                setattr(entry, name, None if tensor is None else tensor.data_ptr())
+            attn = layer.attn
+            entry.window = attn.window or 0
+            epsilons.add(attn.q_norm.variance_epsilon if attn.qk_norm else 0.0)
+        if len(epsilons) != 1:
+            return None
+        return cls(lean, array, layers[0].attn.groups, epsilons.pop())
+
+    def takes(self, rows: int, batch: object) -> bool:
+        """Whether this step is one for :meth:`run`: decode rows only, few enough."""
+        slots = batch.decode_slots  # type: ignore[attr-defined]
+        return (
+            0 < rows <= MAX_ROWS
+            and slots is not None
+            and len(slots[0]) == rows
+            and batch.token_slots is not None  # type: ignore[attr-defined]
+            and active()
+        )
+
+    def run(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: object
+    ) -> torch.Tensor:
+        """The decoder layers over decode rows ``x`` ([rows, 1, hidden]); same shape back."""
+        lean = self.lean
+        rows, hidden = x.shape[0], x.shape[-1]
+        heads, kv_heads, d = lean.heads, lean.kv_heads, lean.head_dim  # type: ignore[attr-defined]
+        intermediate = lean.intermediate  # type: ignore[attr-defined]
+        cache = batch.cache  # type: ignore[attr-defined]
+        keys, values = cache.keys, cache.values
+        pointers = tuple(keys[a.layer].data_ptr() for a in self.attention)
+        if pointers != self._cache:  # the cache grew into new slabs
+            for entry, a, pointer in zip(self.layers, self.attention, pointers, strict=True):
+                entry.keys, entry.values = pointer, values[a.layer].data_ptr()
+            self._cache = pointers
+        x = x.view(rows, hidden)
+        cos, sin = cos.reshape(rows, d).contiguous(), sin.reshape(rows, d).contiguous()
+        length = keys[self.attention[0].layer].shape[2]
+        cache_rows, positions = batch.token_slots  # type: ignore[attr-defined]
+        empty, bf16 = torch.empty, torch.bfloat16
+        normed, delta = empty(rows, hidden, dtype=bf16), empty(rows, hidden, dtype=bf16)
+        qkv = empty(rows, (heads + 2 * kv_heads) * d, dtype=bf16)
+        attended = empty(rows, heads * d, dtype=bf16)
+        up, gated = empty(rows, 2 * intermediate, dtype=bf16), empty(rows, intermediate, dtype=bf16)
+        scratch = empty(self.groups * length)
+        lib = rowops.library()
+        assert lib is not None
+        lib.decode_stack(
+            x.data_ptr(), rows, hidden, len(self.layers), self.layers, heads, kv_heads, d,
+            intermediate, length, lean.eps, self.qk_eps,  # type: ignore[attr-defined]
+            cos.data_ptr(), sin.data_ptr(), cache_rows.data_ptr(), positions.data_ptr(),
+            normed.data_ptr(), qkv.data_ptr(), attended.data_ptr(), delta.data_ptr(),
+            up.data_ptr(), gated.data_ptr(), scratch.data_ptr(),
+        )  # fmt: skip
+        return x.view(rows, 1, hidden)
