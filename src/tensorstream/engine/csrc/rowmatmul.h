@@ -70,42 +70,36 @@ static inline void store_rows(const float *acc, int64_t rows, __m512 bias, bf16 
                             round_to_bf16(_mm512_add_ps(_mm512_load_ps(acc + 16 * m), bias)));
 }
 
+/* One 32-input step of a 32-output block (weights w) into accumulators c0, c1; the
+ * step's x columns are in tile 4. */
+#define BLOCK_STEP(w, c0, c1)              \
+    do {                                   \
+        _tile_loadd(5, (w), 128);          \
+        _tile_loadd(6, (w) + 32, 128);     \
+        _tile_dpbf16ps(c0, 4, 5);          \
+        _tile_dpbf16ps(c1, 4, 6);          \
+    } while (0)
+
 /* Accumulates x rows [rows x k] times the outputs of one or two 32-output blocks
  * (`pair`) into tiles 0-3 and writes them, rounded and with the bias, to y. */
 static inline void block_rows(const bf16 *x, int64_t rows, int64_t ldx, int64_t kb,
                               const bf16 *w0, int64_t block, int pair, const bf16 *bias,
                               bf16 *y, int64_t ldy) {
     float acc[4][256] __attribute__((aligned(64)));
+    const bf16 *w1 = w0 + block;
     _tile_zero(0);
     _tile_zero(1);
-    if (pair) {
-        const bf16 *w1 = w0 + block;
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int64_t b = 0; b < kb; b++) {
-            _tile_loadd(4, x + b * 32, ldx * 2);
-            _tile_loadd(5, w0 + b * 1024, 128);
-            _tile_loadd(6, w0 + b * 1024 + 32, 128);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(1, 4, 6);
-            _tile_loadd(5, w1 + b * 1024, 128);
-            _tile_loadd(6, w1 + b * 1024 + 32, 128);
-            _tile_dpbf16ps(2, 4, 5);
-            _tile_dpbf16ps(3, 4, 6);
-        }
-        _tile_stored(2, acc[2], 64);
-        _tile_stored(3, acc[3], 64);
-    } else {
-        for (int64_t b = 0; b < kb; b++) {
-            _tile_loadd(4, x + b * 32, ldx * 2);
-            _tile_loadd(5, w0 + b * 1024, 128);
-            _tile_loadd(6, w0 + b * 1024 + 32, 128);
-            _tile_dpbf16ps(0, 4, 5);
-            _tile_dpbf16ps(1, 4, 6);
-        }
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t b = 0; b < kb; b++) {
+        _tile_loadd(4, x + b * 32, ldx * 2);
+        BLOCK_STEP(w0 + b * 1024, 0, 1);
+        if (pair) BLOCK_STEP(w1 + b * 1024, 2, 3);
     }
     _tile_stored(0, acc[0], 64);
     _tile_stored(1, acc[1], 64);
+    _tile_stored(2, acc[2], 64);
+    _tile_stored(3, acc[3], 64);
     for (int j = 0; j < (pair ? 4 : 2); j++)
         store_rows(acc[j], rows, bias_vector(bias ? bias + 16 * j : NULL), y + 16 * j, ldy);
 }
