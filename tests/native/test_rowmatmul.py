@@ -127,9 +127,20 @@ def test_a_layout_it_does_not_know_is_refused(kernel):
     assert rowmatmul.Plan.build(fused) is None
 
 
+def test_two_threads_split_the_outputs_and_keep_the_bits(kernel):
+    fused = _fused([3072], 576)
+    x = torch.randn(16, 576).to(torch.bfloat16)
+    alone = rowmatmul.matmul(x, fused)
+    torch.set_num_threads(2)
+    assert rowmatmul.threads() == 2
+    for _ in range(3):  # the helper thread woken from sleep and while it spins
+        assert torch.equal(rowmatmul.matmul(x, fused), alone)
+    assert torch.equal(alone, _onednn(x, fused))
+
+
 def test_more_compute_threads_keep_onednn(kernel):
     fused = _fused([960], 576)
-    torch.set_num_threads(2)
+    torch.set_num_threads(rowmatmul.MAX_THREADS + 1)
     assert not rowmatmul.active()
     assert rowmatmul.matmul(torch.randn(4, 576).to(torch.bfloat16), fused) is None
 
@@ -173,16 +184,20 @@ def test_engine_outputs_are_the_same_with_and_without_it(kernel, smollm2_dir, mo
     assert runs[True][0] == runs[True][1] == runs[False][0]
 
 
-@pytest.mark.parametrize("arch", ["builtin", "qwen2", "qwen3", "mistral"])
-def test_decode_steps_in_one_call_give_the_python_pass_bits(kernel, arch, tiny, smollm2_dir,
-                                                            monkeypatch):  # fmt: skip
+@pytest.mark.parametrize(
+    ("arch", "threads"),
+    [("builtin", 1), ("builtin", 2), ("qwen2", 1), ("qwen3", 1), ("mistral", 1)],
+)
+def test_decode_steps_in_one_call_give_the_python_pass_bits(
+    kernel, arch, threads, tiny, smollm2_dir, monkeypatch
+):
     """``DecodeStack`` (a decode step's layers as one C call) against the Python lean pass
     it replaces: every token and logprob equal, staggered arrivals included, and the C
-    call really ran. Qwen2 has biases, Qwen3 q/k norms."""
+    call really ran. Qwen2 has biases, Qwen3 q/k norms; two threads split the matmuls."""
     from tensorstream.engine import LLM, SamplingParams
 
     model_dir = smollm2_dir if arch == "builtin" else tiny(arch)
-    llm = LLM(str(model_dir), dtype="bfloat16", model_impl="native", cpu_threads=1)
+    llm = LLM(str(model_dir), dtype="bfloat16", model_impl="native", cpu_threads=threads)
     lib = rowops.library()
     real, rows = lib.decode_stack, []
 

@@ -39,7 +39,7 @@ __all__ = ["ENV", "SUFFIXES", "library", "start_build"]
 logger = logging.getLogger("tensorstream.engine")
 
 ENV = "TENSORSTREAM_ROWOPS"
-_ABI = 4
+_ABI = 5
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
 #: dtype name -> the C functions' suffix.
 SUFFIXES = {"bfloat16": "bf16", "float32": "float"}
@@ -56,8 +56,8 @@ _SIGNATURES = {
     + [_I] * 5
     + [_I, _P, _I, _I, _I, _P],
 }
-_MATMUL = [_P, _I, _I, _I, _I, _P, _P, _P, _I]
-_DECODE_STACK = [_P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _F, _F] + [_P] * 11
+_MATMUL = [_P, _I, _I, _I, _I, _P, _P, _P, _I, _I]
+_DECODE_STACK = [_P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _F, _F] + [_P] * 11 + [_I]
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None

@@ -18,6 +18,8 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
+#include <linux/futex.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -104,29 +106,122 @@ static inline void block_rows(const bf16 *x, int64_t rows, int64_t ldx, int64_t 
         store_rows(acc[j], rows, bias_vector(bias ? bias + 16 * j : NULL), y + 16 * j, ldy);
 }
 
-/* y = x W^T (+ bias). x: [m, k] bfloat16 (row stride ldx); W: n x k in oneDNN's packed
- * bf16 layout for AMX (AB16b32a2b: [n/32][k/32][16 input pairs][32 outputs][2]); bias:
- * [n] or NULL; y: [m, n] (row stride ldy). n and k multiples of 32.
- * Outputs are walked in pairs of blocks (64), rows in tiles of 16 inside each pair, so a
+/* One call's operands, and the outputs [n_begin, n_end) one thread computes. */
+typedef struct {
+    const bf16 *x, *packed, *bias;
+    bf16 *y;
+    int64_t m, ldx, k, ldy, n_begin, n_end;
+} matmul_job;
+
+/* Outputs are walked in pairs of blocks (64), rows in tiles of 16 inside each pair, so a
  * pair's weights (64 x k) come from memory once and from cache for the next 16 rows. */
-int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
-                   const bf16 *packed, const bf16 *bias, bf16 *y, int64_t ldy) {
-    const int64_t kb = k / 32, block = 32 * k; /* elements of one 32-output block */
+static void matmul_range(const matmul_job *j) {
+    const int64_t kb = j->k / 32, block = 32 * j->k; /* elements of one 32-output block */
     int64_t configured = -1;
-    for (int64_t n0 = 0; n0 < n; n0 += 64) {
-        const int pair = n0 + 64 <= n;
-        const bf16 *w0 = packed + (n0 / 32) * block;
-        for (int64_t m0 = 0; m0 < m; m0 += 16) {
-            const int64_t rows = m - m0 < 16 ? m - m0 : 16;
+    for (int64_t n0 = j->n_begin; n0 < j->n_end; n0 += 64) {
+        const int pair = n0 + 64 <= j->n_end;
+        const bf16 *w0 = j->packed + (n0 / 32) * block;
+        for (int64_t m0 = 0; m0 < j->m; m0 += 16) {
+            const int64_t rows = j->m - m0 < 16 ? j->m - m0 : 16;
             if (rows != configured) {
                 configure(rows);
                 configured = rows;
             }
-            block_rows(x + m0 * ldx, rows, ldx, kb, w0, block, pair, bias ? bias + n0 : NULL,
-                       y + m0 * ldy + n0, ldy);
+            block_rows(j->x + m0 * j->ldx, rows, j->ldx, kb, w0, block, pair,
+                       j->bias ? j->bias + n0 : NULL, j->y + m0 * j->ldy + n0, j->ldy);
         }
     }
     _tile_release();
+}
+
+/* --- a second thread for two-thread processes ----------------------------------- *
+ * One helper thread takes the upper half of each call's outputs (the same sums: the
+ * bits do not depend on the split). Between calls it spins briefly (a decode step's
+ * matmuls come tens of microseconds apart), then sleeps on a futex until woken. */
+
+#define HELPER_SPINS 4096 /* pauses before sleeping, ~0.2 ms */
+
+static matmul_job helper_job;
+static unsigned helper_generation, helper_done; /* __atomic accesses only */
+static int helper_sleeping, helper_state;       /* state: 0 none, 1 running, -1 failed */
+static pthread_mutex_t helper_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static long futex(unsigned *address, int op, unsigned value) {
+    return syscall(SYS_futex, address, op, value, NULL, NULL, 0);
+}
+
+static void *helper_main(void *unused) {
+    (void)unused;
+    unsigned seen = 0;
+    for (;;) {
+        unsigned generation;
+        int spins = 0;
+        while ((generation = __atomic_load_n(&helper_generation, __ATOMIC_ACQUIRE)) == seen) {
+            if (++spins < HELPER_SPINS) {
+                _mm_pause();
+                continue;
+            }
+            __atomic_store_n(&helper_sleeping, 1, __ATOMIC_SEQ_CST);
+            futex(&helper_generation, FUTEX_WAIT_PRIVATE, seen); /* returns if it moved */
+            __atomic_store_n(&helper_sleeping, 0, __ATOMIC_SEQ_CST);
+            spins = 0;
+        }
+        seen = generation;
+        matmul_range(&helper_job);
+        __atomic_store_n(&helper_done, generation, __ATOMIC_RELEASE);
+    }
+    return NULL;
+}
+
+static void helper_forget(void) { /* in a forked child: the thread is not there */
+    helper_state = 0;
+    helper_generation = helper_done = 0;
+    helper_sleeping = 0;
+    pthread_mutex_init(&helper_lock, NULL);
+}
+
+static int helper_start(void) {
+    int state = __atomic_load_n(&helper_state, __ATOMIC_ACQUIRE);
+    if (state) return state > 0;
+    static int fork_handler;
+    if (!fork_handler) fork_handler = pthread_atfork(NULL, NULL, helper_forget) == 0 ? 1 : -1;
+    pthread_t thread;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    state = fork_handler > 0 && pthread_create(&thread, &attr, helper_main, NULL) == 0 ? 1 : -1;
+    pthread_attr_destroy(&attr);
+    __atomic_store_n(&helper_state, state, __ATOMIC_RELEASE);
+    return state > 0;
+}
+
+/* y = x W^T (+ bias). x: [m, k] bfloat16 (row stride ldx); W: n x k in oneDNN's packed
+ * bf16 layout for AMX (AB16b32a2b: [n/32][k/32][16 input pairs][32 outputs][2]); bias:
+ * [n] or NULL; y: [m, n] (row stride ldy). n and k multiples of 32. threads: 1, or 2 to
+ * give the upper half of the outputs to the helper thread. */
+int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
+                   const bf16 *packed, const bf16 *bias, bf16 *y, int64_t ldy, int64_t threads) {
+    matmul_job job = {x, packed, bias, y, m, ldx, k, ldy, 0, n};
+    /* the lock: one caller at a time hands work to the helper; others run alone */
+    if (threads < 2 || n < 256 || pthread_mutex_trylock(&helper_lock) != 0) {
+        matmul_range(&job);
+        return 0;
+    }
+    if (!helper_start()) {
+        pthread_mutex_unlock(&helper_lock);
+        matmul_range(&job);
+        return 0;
+    }
+    const int64_t split = n / 2 / 64 * 64; /* whole pairs of blocks on each side */
+    helper_job = job;
+    helper_job.n_begin = split;
+    job.n_end = split;
+    unsigned generation = __atomic_add_fetch(&helper_generation, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&helper_sleeping, __ATOMIC_SEQ_CST))
+        futex(&helper_generation, FUTEX_WAKE_PRIVATE, 1);
+    matmul_range(&job);
+    while (__atomic_load_n(&helper_done, __ATOMIC_ACQUIRE) != generation) _mm_pause();
+    pthread_mutex_unlock(&helper_lock);
     return 0;
 }
 
@@ -149,7 +244,7 @@ int decode_stack_bf16(bf16 *x, int64_t rows, int64_t hidden, int64_t layers,
                       int64_t intermediate, int64_t length, float eps, float qk_eps,
                       const bf16 *cos_, const bf16 *sin_, const int64_t *cache_rows,
                       const int64_t *positions, bf16 *normed, bf16 *qkv, bf16 *attended,
-                      bf16 *delta, bf16 *up, bf16 *gated, float *scratch_f) {
+                      bf16 *delta, bf16 *up, bf16 *gated, float *scratch_f, int64_t threads) {
     const int64_t q_width = heads * d, kv_width = kv_heads * d;
     const int64_t qkv_width = q_width + 2 * kv_width, up_width = 2 * intermediate;
     const bf16 *residual = NULL;
@@ -158,20 +253,21 @@ int decode_stack_bf16(bf16 *x, int64_t rows, int64_t hidden, int64_t layers,
         add_norm_bf16(x, hidden, residual, hidden, L->inorm, normed, hidden, rows, rows, hidden,
                       eps);
         rowmatmul_bf16(normed, rows, hidden, hidden, qkv_width, L->qkv, L->qkv_bias, qkv,
-                       qkv_width);
+                       qkv_width, threads);
         rope_attend_bf16(qkv, qkv_width, qkv + q_width, qkv_width, qkv + q_width + kv_width,
                          qkv_width, cos_, sin_, d, L->q_norm, L->k_norm, qk_eps, L->keys,
                          L->values, cache_rows, positions, rows, heads, kv_heads, d, length,
                          rows, attended, q_width, rows, L->window, scratch_f);
-        rowmatmul_bf16(attended, rows, q_width, q_width, hidden, L->o, L->o_bias, delta, hidden);
+        rowmatmul_bf16(attended, rows, q_width, q_width, hidden, L->o, L->o_bias, delta, hidden,
+                       threads);
         add_norm_bf16(x, hidden, delta, hidden, L->postnorm, normed, hidden, rows, rows, hidden,
                       eps);
         rowmatmul_bf16(normed, rows, hidden, hidden, up_width, L->gate_up, L->gate_up_bias, up,
-                       up_width);
+                       up_width, threads);
         silu_mul_bf16(up, up_width, up + intermediate, up_width, gated, intermediate, rows, rows,
                       intermediate);
         rowmatmul_bf16(gated, rows, intermediate, intermediate, hidden, L->down, L->down_bias,
-                       delta, hidden);
+                       delta, hidden, threads);
         residual = delta;
     }
     if (residual) add_rows_bf16(x, hidden, residual, hidden, rows, hidden);
@@ -183,8 +279,9 @@ int decode_stack_bf16(bf16 *x, int64_t rows, int64_t hidden, int64_t layers,
 int rowmatmul_ready(void) { return 0; }
 
 int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
-                   const bf16 *packed, const bf16 *bias, bf16 *y, int64_t ldy) {
+                   const bf16 *packed, const bf16 *bias, bf16 *y, int64_t ldy, int64_t threads) {
     (void)x; (void)m; (void)ldx; (void)k; (void)n; (void)packed; (void)bias; (void)y; (void)ldy;
+    (void)threads;
     return -1;
 }
 

@@ -36,7 +36,18 @@ from tensorstream.engine.models import rowops
 if TYPE_CHECKING:
     from tensorstream.engine.models.packing import FusedLinear
 
-__all__ = ["ENABLED", "MAX_ROWS", "STACK", "DecodeStack", "Plan", "active", "matmul", "plan"]
+__all__ = [
+    "ENABLED",
+    "MAX_ROWS",
+    "MAX_THREADS",
+    "STACK",
+    "DecodeStack",
+    "Plan",
+    "active",
+    "matmul",
+    "plan",
+    "threads",
+]
 
 #: False keeps oneDNN's matmuls (benchmarks alternate the two; tests run both).
 ENABLED = True
@@ -45,13 +56,22 @@ ENABLED = True
 STACK = True
 #: The most rows this kernel takes: up to here its bits are oneDNN's (measured).
 MAX_ROWS = 32
+#: The most compute threads it runs on (the caller and one helper thread); with more,
+#: oneDNN's matmul spreads over all of them instead.
+MAX_THREADS = 2
 #: Weights are packed in blocks of 32 outputs x 32 inputs (2 KiB of bfloat16).
 _BLOCK = 32
 
 
+def threads() -> int:
+    """Threads the kernel runs on now: torch's intra-op count, 1 or 2 (0: not at all)."""
+    count = torch.get_num_threads()
+    return count if count <= MAX_THREADS else 0
+
+
 def active() -> bool:
-    """Whether the kernel may run in this process now (library, AMX, one thread)."""
-    if not ENABLED or torch.get_num_threads() != 1 or not rowops.active():
+    """Whether the kernel may run in this process now (library, AMX, one or two threads)."""
+    if not ENABLED or not threads() or not rowops.active():
         return False
     lib = rowops.library()
     return lib is not None and lib.matmul_ready()
@@ -142,7 +162,7 @@ def matmul(x: torch.Tensor, fused: FusedLinear) -> torch.Tensor | None:
     assert lib is not None  # active() said so
     lib.matmul(
         x.data_ptr(), rows, x.stride(0), layers.inputs, layers.outputs,
-        layers.pointer, layers.bias_pointer, out.data_ptr(), layers.outputs,
+        layers.pointer, layers.bias_pointer, out.data_ptr(), layers.outputs, threads(),
     )  # fmt: skip
     return out
 
@@ -247,6 +267,6 @@ class DecodeStack:
             intermediate, length, lean.eps, self.qk_eps,  # type: ignore[attr-defined]
             cos.data_ptr(), sin.data_ptr(), cache_rows.data_ptr(), positions.data_ptr(),
             normed.data_ptr(), qkv.data_ptr(), attended.data_ptr(), delta.data_ptr(),
-            up.data_ptr(), gated.data_ptr(), scratch.data_ptr(),
+            up.data_ptr(), gated.data_ptr(), scratch.data_ptr(), threads(),
         )  # fmt: skip
         return x.view(rows, 1, hidden)
