@@ -13,6 +13,8 @@
  * the same order whatever the number of rows (a row gets the same bits alone or in a
  * batch), and for 3-32 rows the same as oneDNN's (measured; rowmatmul.py says where).
  *
+ * With two threads a helper thread takes the upper half of each call's outputs.
+ *
  * Shapes: inputs and outputs multiples of 32.
  */
 

@@ -18,10 +18,11 @@ get the bits oneDNN gives them padded to four (``llama.padded_rows``): each outp
 this kernel depends on its own row only. Above :data:`MAX_ROWS` rows oneDNN blocks its
 sums differently, so those stay oneDNN's.
 
-Where it runs: bfloat16 on a CPU with AMX (the C library built, ``rowops``), one compute
-thread (with more, oneDNN spreads each matmul over them and wins: 13.8 vs 17.7 ms per
-16-row pass on two), outputs and inputs multiples of 32, the packed weights in the layout
-checked by :class:`Plan`. ``ENABLED = False`` (or ``TENSORSTREAM_ROWOPS=0``) keeps oneDNN.
+Where it runs: bfloat16 on a CPU with AMX (the C library built, ``rowops``), one or two
+compute threads (with two, a helper thread in the C library takes half of each call's
+outputs; with more, oneDNN's matmul spreads over all of them), outputs and inputs
+multiples of 32, the packed weights in the layout checked by :class:`Plan`.
+``ENABLED = False`` (or ``TENSORSTREAM_ROWOPS=0``) keeps oneDNN.
 """
 
 from __future__ import annotations
