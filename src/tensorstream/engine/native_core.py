@@ -24,7 +24,7 @@ import torch
 
 from tensorstream.engine.core import EngineCore, _Request, _Sequence
 from tensorstream.engine.kvcache import KVCache, padded_length
-from tensorstream.engine.models import rowops
+from tensorstream.engine.models import rowmatmul, rowops
 from tensorstream.engine.models.llama import AttentionBatch
 from tensorstream.engine.outputs import RequestOutput
 from tensorstream.engine.sampler import row_argmax
@@ -297,7 +297,8 @@ class NativeEngineCore(EngineCore):
             return
         logit_owners = [owners[i] for i in picked]
         index = torch.tensor(picked, device=self.device)
-        logits = self.model.logits(hidden[index], self._adapters(logit_owners))
+        with rowmatmul.engine_pass(rowmatmul.Layout(len(picked))):  # one row per sequence
+            logits = self.model.logits(hidden[index], self._adapters(logit_owners))
         for entry in decoding:
             entry.cached += 1
         for entry, _, end in chunks:

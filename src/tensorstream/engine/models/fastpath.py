@@ -39,7 +39,9 @@ __all__ = ["ENABLED", "LeanStack"]
 #: --compare-lean`` alternates the two per step).
 ENABLED = True
 
-_linear = torch.ops.mkldnn._linear_pointwise if hasattr(torch.ops, "mkldnn") else None
+_linear = (
+    torch.ops.mkldnn._linear_pointwise if hasattr(torch.ops, "mkldnn") else None
+)  # availability
 
 
 class _Layer:
@@ -221,9 +223,8 @@ def _norm_cast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 
 
 def _packed_linear(x: torch.Tensor, fused: FusedLinear) -> torch.Tensor:
-    # FusedLinear.__call__ without its reshapes: ``x`` is already [rows, features].
-    out = rowmatmul.matmul(x, fused)
-    return _linear(x, fused.packed, fused.bias, "none", [], "") if out is None else out
+    # ``x`` is [rows, features]; the engine pass's row layout applies (rowmatmul.Layout).
+    return fused(x)
 
 
 def _padded_linear(rows: int, padded: int) -> Any:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tensorstream.engine.cpu_dtype import cpu_matmul_supported
-from tensorstream.engine.models import packing, rowops
+from tensorstream.engine.models import packing, rowmatmul, rowops
 from tensorstream.engine.models.config import NativeConfig
 from tensorstream.engine.models.fastpath import LeanStack
 from tensorstream.engine.models.kvattention import AttentionBatch, CacheAttention, fused_pass
@@ -45,7 +45,19 @@ class Linear(nn.Linear):
             fast = packing.packed(self, "_fast", (self,), inside_forward=True)
             if fast is not None:
                 return fast(x)
+        layout = rowmatmul.current()
+        if layout is not None and not torch.is_grad_enabled():
+            # not packed yet, in an engine pass: the packed matmul's bits (rowmatmul.Layout)
+            flat = x.reshape(-1, x.shape[-1])
+            out = rowmatmul.segmented(flat, layout, self._pieces, self._plain)
+            return out.view(*x.shape[:-1], out.shape[-1])
         return super().forward(x)
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def _pieces(self, x: torch.Tensor) -> torch.Tensor:
+        return rowmatmul.pieces(x, self._plain)
 
 
 class Embedding(nn.Embedding):
@@ -201,6 +213,18 @@ def _fusion(
     if x.dtype != layers[0].weight.dtype or not packing.packed_dtype(x.dtype):
         return None
     return packing.packed(owner, slot, layers)
+
+
+def _row_layout(input_ids: torch.Tensor, batch: AttentionBatch | None) -> rowmatmul.Layout | None:
+    """An engine pass's :class:`rowmatmul.Layout` (token rows ``[tokens, 1]``), or None."""
+    if batch is None or batch.plan is None or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+        return None
+    big = tuple(
+        (item[1], item[2])
+        for item in batch.plan
+        if item[0] == "prefill" and item[2] - item[1] > rowmatmul.MAX_ROWS
+    )
+    return rowmatmul.Layout(input_ids.shape[0], big)
 
 
 class Attention(CacheAttention, nn.Module):
@@ -391,6 +415,15 @@ class NativeCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-norm hidden states [batch, tokens, hidden] for ``input_ids`` at ``positions``."""
         self._set_pack_budget()
+        layout = _row_layout(input_ids, batch)
+        if layout is None:
+            return self._hidden_states(input_ids, positions, batch)
+        with rowmatmul.engine_pass(layout):
+            return self._hidden_states(input_ids, positions, batch)
+
+    def _hidden_states(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch | None
+    ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         lean = self.__dict__.get("_lean")

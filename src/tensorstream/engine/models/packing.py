@@ -151,10 +151,21 @@ class FusedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        out = rowmatmul.matmul(flat, self)  # a few rows: the same bits, faster (AMX)
-        if out is None:
-            out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        layout = rowmatmul.current()
+        if layout is not None:  # an engine pass: no row's bits depend on its step
+            out = rowmatmul.segmented(flat, layout, self._small_rows, self._onednn)
+        else:
+            out = rowmatmul.matmul(flat, self)  # a few rows: the same bits, faster (AMX)
+            if out is None:
+                out = self._onednn(flat)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def _small_rows(self, x: torch.Tensor) -> torch.Tensor:
+        out = rowmatmul.matmul(x, self, any_rows=True)
+        return rowmatmul.pieces(x, self._onednn) if out is None else out
 
 
 def packed(

@@ -27,7 +27,10 @@ multiples of 32, the packed weights in the layout checked by :class:`Plan`.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import threading
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -39,14 +42,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENABLED",
+    "Layout",
     "MAX_ROWS",
     "MAX_THREADS",
     "STACK",
     "DecodeStack",
     "Plan",
     "active",
+    "engine_pass",
     "matmul",
     "plan",
+    "segmented",
     "threads",
 ]
 
@@ -62,6 +68,100 @@ MAX_ROWS = 32
 MAX_THREADS = 2
 #: Weights are packed in blocks of 32 outputs x 32 inputs (2 KiB of bfloat16).
 _BLOCK = 32
+
+
+_state = threading.local()
+
+
+class Layout:
+    """How the rows of one engine pass split for the matmuls, so that no row's bits depend
+    on the rest of its step.
+
+    oneDNN's packed bf16 matmul rounds a row one way in calls of 3-32 rows and another in
+    calls of more (measured: rows differ from 33 on, and agree among larger calls whatever
+    sits before them), so a request decoding beside 40 others got other logprobs, and
+    sometimes other greedy tokens, than alone. Within an engine pass, rows are therefore
+    multiplied as: each prompt chunk of more than :data:`MAX_ROWS` rows in a call of its
+    own (its length depends on the request alone: chunks start at fixed multiples), every
+    other row (decode rows, short chunks, the LM head's rows) through this kernel, whose
+    every row gets the 3-32-row bits whatever their number; layers not yet packed use
+    torch's matmul on pieces of at most :data:`MAX_ROWS` rows (the same bits).
+
+    Attributes:
+        big: (first, stop) of the long prompt chunks, in the pass's row order.
+        rows: rows in the pass (the row space of ``big``).
+    """
+
+    def __init__(self, rows: int, big: tuple[tuple[int, int], ...] = ()) -> None:
+        self.rows = rows
+        self.big = big
+        self._small: torch.Tensor | None = None
+
+    def small_rows(self) -> torch.Tensor:
+        """Indices of the rows outside the long chunks (made once per pass)."""
+        if self._small is None:
+            keep = torch.ones(self.rows, dtype=torch.bool)
+            for first, stop in self.big:
+                keep[first:stop] = False
+            self._small = keep.nonzero().view(-1)
+        return self._small
+
+
+@contextlib.contextmanager
+def engine_pass(layout: Layout) -> Iterator[None]:
+    """Within this block (on this thread), the native models' matmuls follow ``layout``
+    where this kernel runs (:func:`active`); elsewhere nothing changes."""
+    before = getattr(_state, "layout", None)
+    _state.layout = layout if active() else None
+    try:
+        yield
+    finally:
+        _state.layout = before
+
+
+def current() -> Layout | None:
+    """The running engine pass's layout, or None (a plain forward, or no kernel here)."""
+    return getattr(_state, "layout", None)
+
+
+def segmented(
+    x: torch.Tensor,
+    layout: Layout,
+    small: Callable[[torch.Tensor], torch.Tensor],
+    big: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``x`` ([rows, inputs]) multiplied by :class:`Layout`: ``big`` once per long chunk,
+    ``small`` once for all other rows. ``x`` may have more rows than the pass (padding
+    after them) only when the pass has no long chunk."""
+    if not layout.big:
+        return small(x)
+    if x.shape[0] != layout.rows:
+        raise ValueError(f"{x.shape[0]} rows in a pass of {layout.rows} with long chunks")
+    index = layout.small_rows()
+    parts = [(first, stop, big(x[first:stop])) for first, stop in layout.big]
+    out = torch.empty(x.shape[0], parts[0][2].shape[1], dtype=parts[0][2].dtype)
+    for first, stop, part in parts:
+        out[first:stop] = part
+    if index.numel():
+        out.index_copy_(0, index, small(x.index_select(0, index)))
+    return out
+
+
+def pieces(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``matmul`` over ``x`` in calls of at most :data:`MAX_ROWS` rows, each padded as the
+    engine pads small batches (``llama.padded_rows``): every row gets the bits of the
+    3-32-row calls (those of this kernel)."""
+    from tensorstream.engine.models.llama import padded_rows
+
+    outs = []
+    for start in range(0, x.shape[0], MAX_ROWS):
+        piece = x[start : start + MAX_ROWS]
+        count = piece.shape[0]
+        padded = padded_rows(count, x.dtype, packed=True)
+        if padded > count:
+            piece = torch.cat([piece, piece[:1].expand(padded - count, -1)])
+        outs.append(matmul(piece)[:count])
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def threads() -> int:
@@ -147,11 +247,14 @@ def plan(fused: FusedLinear) -> Plan | None:
     return found or None
 
 
-def matmul(x: torch.Tensor, fused: FusedLinear) -> torch.Tensor | None:
+def matmul(x: torch.Tensor, fused: FusedLinear, any_rows: bool = False) -> torch.Tensor | None:
     """``fused``'s outputs for rows ``x`` ([rows, inputs]) through the kernel, or None where
-    it does not apply (the caller runs oneDNN's)."""
+    it does not apply (the caller runs oneDNN's). ``any_rows``: also above
+    :data:`MAX_ROWS` (where the bits are this kernel's 3-32-row ones, not oneDNN's)."""
     rows = x.shape[0]
-    if not 0 < rows <= MAX_ROWS or x.dtype != torch.bfloat16 or x.stride(-1) != 1:
+    if rows <= 0 or (rows > MAX_ROWS and not any_rows):
+        return None
+    if x.dtype != torch.bfloat16 or x.stride(-1) != 1:
         return None
     if not active():
         return None
@@ -184,7 +287,8 @@ class DecodeStack:
     The same operators in the same order as ``fastpath.LeanStack._run_fused`` with this
     module's matmul (so the same bits: tested), without the ~8 Python calls per layer
     between them: at 16 rows a SmolLM2 step spent ~2 ms of its ~33 there. It takes steps
-    of decode rows only, at most :data:`MAX_ROWS`; anything else runs the Python pass.
+    of decode rows only (any number: every row gets its own bits, :class:`Layout`);
+    anything else runs the Python pass.
     Build with :meth:`build` from a lean stack (None where a layer does not qualify).
     """
 
@@ -229,7 +333,7 @@ class DecodeStack:
         """Whether this step is one for :meth:`run`: decode rows only, few enough."""
         slots = batch.decode_slots  # type: ignore[attr-defined]
         return (
-            0 < rows <= MAX_ROWS
+            rows > 0
             and slots is not None
             and len(slots[0]) == rows
             and batch.token_slots is not None  # type: ignore[attr-defined]
