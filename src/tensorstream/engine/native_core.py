@@ -297,7 +297,10 @@ class NativeEngineCore(EngineCore):
             return
         logit_owners = [owners[i] for i in picked]
         index = torch.tensor(picked, device=self.device)
-        with rowmatmul.engine_pass(rowmatmul.Layout(len(picked))):  # one row per sequence
+        if self.cache.dtype == torch.bfloat16:  # one row per sequence: rowmatmul.Layout
+            with rowmatmul.engine_pass(rowmatmul.Layout(len(picked))):
+                logits = self.model.logits(hidden[index], self._adapters(logit_owners))
+        else:
             logits = self.model.logits(hidden[index], self._adapters(logit_owners))
         for entry in decoding:
             entry.cached += 1

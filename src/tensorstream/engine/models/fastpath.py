@@ -39,9 +39,7 @@ __all__ = ["ENABLED", "LeanStack"]
 #: --compare-lean`` alternates the two per step).
 ENABLED = True
 
-_linear = (
-    torch.ops.mkldnn._linear_pointwise if hasattr(torch.ops, "mkldnn") else None
-)  # availability
+_linear = torch.ops.mkldnn._linear_pointwise if hasattr(torch.ops, "mkldnn") else None
 
 
 class _Layer:

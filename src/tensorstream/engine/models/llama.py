@@ -215,9 +215,15 @@ def _fusion(
     return packing.packed(owner, slot, layers)
 
 
-def _row_layout(input_ids: torch.Tensor, batch: AttentionBatch | None) -> rowmatmul.Layout | None:
-    """An engine pass's :class:`rowmatmul.Layout` (token rows ``[tokens, 1]``), or None."""
-    if batch is None or batch.plan is None or input_ids.dim() != 2 or input_ids.shape[1] != 1:
+def _row_layout(
+    input_ids: torch.Tensor, batch: AttentionBatch | None, dtype: torch.dtype
+) -> rowmatmul.Layout | None:
+    """A bf16 engine pass's :class:`rowmatmul.Layout` (token rows ``[tokens, 1]``), or None.
+    bf16 only: there the AMX kernel takes all short rows in one call (other dtypes would
+    need one call per 32 rows)."""
+    if batch is None or batch.plan is None or dtype != torch.bfloat16:
+        return None
+    if input_ids.dim() != 2 or input_ids.shape[1] != 1:
         return None
     big = tuple(
         (item[1], item[2])
@@ -415,7 +421,7 @@ class NativeCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-norm hidden states [batch, tokens, hidden] for ``input_ids`` at ``positions``."""
         self._set_pack_budget()
-        layout = _row_layout(input_ids, batch)
+        layout = _row_layout(input_ids, batch, self.dtype)
         if layout is None:
             return self._hidden_states(input_ids, positions, batch)
         with rowmatmul.engine_pass(layout):

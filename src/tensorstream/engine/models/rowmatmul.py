@@ -1,8 +1,10 @@
 """Small-batch matmuls on AMX tiles over oneDNN's own packed weights (``csrc/rowmatmul.h``).
 
 Owns: whether a packed matmul (:class:`~tensorstream.engine.models.packing.FusedLinear`)
-of a few rows runs through the C kernel (:func:`matmul`), and the checked view of the
-packed weights it reads (:class:`Plan`).
+runs through the C kernel (:func:`matmul`), the checked view of the packed weights it
+reads (:class:`Plan`), how an engine pass's rows split between it and oneDNN so that no
+row's bits depend on its step (:class:`Layout`, :func:`engine_pass`, :func:`segmented`),
+and a decode step's layers as one C call (:class:`DecodeStack`).
 
 Why: a decode step multiplies a few rows by every weight of the model once, so it is
 bound by streaming the weights from memory. On one core of an AMX Xeon, oneDNN's packed
@@ -13,10 +15,12 @@ alternates the two per step). No second copy of the weights.
 
 Bits: for 3 to :data:`MAX_ROWS` rows oneDNN's kernel and this one add the same products
 in the same order; measured equal bit for bit on every shape of the supported models
-(``tests/native/test_rowmatmul.py``), so switching changes no output. One or two rows
-get the bits oneDNN gives them padded to four (``llama.padded_rows``): each output of
-this kernel depends on its own row only. Above :data:`MAX_ROWS` rows oneDNN blocks its
-sums differently, so those stay oneDNN's.
+(``tests/native/test_rowmatmul.py``). One or two rows get the bits oneDNN gives them
+padded to four (``llama.padded_rows``): each output of this kernel depends on its own row
+only, in a call of any size. Above :data:`MAX_ROWS` rows oneDNN rounds differently, so
+within an engine pass (:class:`Layout`) rows are multiplied by role and a request's bits
+never depend on what shares its step; outside one (a plain ``model(input_ids)``) calls
+above :data:`MAX_ROWS` rows stay oneDNN's, as transformers' are.
 
 Where it runs: bfloat16 on a CPU with AMX (the C library built, ``rowops``), one or two
 compute threads (with two, a helper thread in the C library takes half of each call's
@@ -49,8 +53,10 @@ __all__ = [
     "DecodeStack",
     "Plan",
     "active",
+    "current",
     "engine_pass",
     "matmul",
+    "pieces",
     "plan",
     "segmented",
     "threads",
