@@ -46,7 +46,7 @@ class Linear(nn.Linear):
             if fast is not None:
                 return fast(x)
         layout = rowmatmul.current()
-        if layout is not None and not torch.is_grad_enabled():
+        if layout is not None and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
             # not packed yet, in an engine pass: the packed matmul's bits (rowmatmul.Layout)
             flat = x.reshape(-1, x.shape[-1])
             out = rowmatmul.segmented(flat, layout, self._pieces, self._plain)
