@@ -3,6 +3,8 @@ own packed weights, and the engine's outputs unchanged with it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -21,7 +23,7 @@ SHAPES = [
 
 def _amx_host() -> bool:
     try:
-        flags = open("/proc/cpuinfo").read()
+        flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
     return " amx_bf16" in flags and " amx_tile" in flags

@@ -297,10 +297,9 @@ class NativeEngineCore(EngineCore):
             return
         logit_owners = [owners[i] for i in picked]
         index = torch.tensor(picked, device=self.device)
-        if self.cache.dtype == torch.bfloat16:  # one row per sequence: rowmatmul.Layout
-            with rowmatmul.engine_pass(rowmatmul.Layout(len(picked))):
-                logits = self.model.logits(hidden[index], self._adapters(logit_owners))
-        else:
+        # one row per sequence (rowmatmul.Layout, bf16 passes only)
+        layout = rowmatmul.Layout(len(picked)) if self.cache.dtype == torch.bfloat16 else None
+        with rowmatmul.engine_pass(layout):
             logits = self.model.logits(hidden[index], self._adapters(logit_owners))
         for entry in decoding:
             entry.cached += 1

@@ -41,21 +41,6 @@ int rowmatmul_ready(void) {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 }
 
-static inline __m256i round_to_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
-    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x00400000)); /* quiet NaN */
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
-static inline __m512 bias_vector(const bf16 *bias) {
-    if (!bias) return _mm512_setzero_ps();
-    __m256i h = _mm256_loadu_si256((const void *)bias);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 static void configure(int64_t rows) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -67,11 +52,12 @@ static void configure(int64_t rows) {
     _tile_loadconfig(&cfg);
 }
 
-/* acc: rows x 16 float32 (64-byte rows); y[m][0..15] = bf16(acc[m] + bias). */
-static inline void store_rows(const float *acc, int64_t rows, __m512 bias, bf16 *y, int64_t ldy) {
-    for (int64_t m = 0; m < rows; m++)
-        _mm256_storeu_si256((void *)(y + m * ldy),
-                            round_to_bf16(_mm512_add_ps(_mm512_load_ps(acc + 16 * m), bias)));
+/* acc: rows x 16 float32 (64-byte rows); y[m][0..15] = bf16(acc[m] + bias), rounded as
+ * every bf16 store of rowops.c (vstore_bf16). bias: 16 values or NULL. */
+static inline void store_rows(const float *acc, int64_t rows, const bf16 *bias, bf16 *y,
+                              int64_t ldy) {
+    const vf add = bias ? vload_bf16(bias) : (vf){0};
+    for (int64_t m = 0; m < rows; m++) vstore_bf16(y + m * ldy, vload_f32(acc + 16 * m) + add);
 }
 
 /* One 32-input step of a 32-output block (weights w) into accumulators c0, c1; the
@@ -105,7 +91,7 @@ static inline void block_rows(const bf16 *x, int64_t rows, int64_t ldx, int64_t 
     _tile_stored(2, acc[2], 64);
     _tile_stored(3, acc[3], 64);
     for (int j = 0; j < (pair ? 4 : 2); j++)
-        store_rows(acc[j], rows, bias_vector(bias ? bias + 16 * j : NULL), y + 16 * j, ldy);
+        store_rows(acc[j], rows, bias ? bias + 16 * j : NULL, y + 16 * j, ldy);
 }
 
 /* One call's operands, and the outputs [n_begin, n_end) one thread computes. */

@@ -421,10 +421,7 @@ class NativeCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Final-norm hidden states [batch, tokens, hidden] for ``input_ids`` at ``positions``."""
         self._set_pack_budget()
-        layout = _row_layout(input_ids, batch, self.dtype)
-        if layout is None:
-            return self._hidden_states(input_ids, positions, batch)
-        with rowmatmul.engine_pass(layout):
+        with rowmatmul.engine_pass(_row_layout(input_ids, batch, self.dtype)):
             return self._hidden_states(input_ids, positions, batch)
 
     def _hidden_states(

@@ -114,11 +114,11 @@ class Layout:
 
 
 @contextlib.contextmanager
-def engine_pass(layout: Layout) -> Iterator[None]:
+def engine_pass(layout: Layout | None) -> Iterator[None]:
     """Within this block (on this thread), the native models' matmuls follow ``layout``
-    where this kernel runs (:func:`active`); elsewhere nothing changes."""
+    where this kernel runs (:func:`active`); elsewhere, or with None, nothing changes."""
     before = getattr(_state, "layout", None)
-    _state.layout = layout if active() else None
+    _state.layout = layout if layout is not None and active() else None
     try:
         yield
     finally:
@@ -157,7 +157,7 @@ def pieces(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> t
     """``matmul`` over ``x`` in calls of at most :data:`MAX_ROWS` rows, each padded as the
     engine pads small batches (``llama.padded_rows``): every row gets the bits of the
     3-32-row calls (those of this kernel)."""
-    from tensorstream.engine.models.llama import padded_rows
+    from tensorstream.engine.models.llama import _pad_rows, padded_rows
 
     outs = []
     for start in range(0, x.shape[0], MAX_ROWS):
@@ -165,7 +165,7 @@ def pieces(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> t
         count = piece.shape[0]
         padded = padded_rows(count, x.dtype, packed=True)
         if padded > count:
-            piece = torch.cat([piece, piece[:1].expand(padded - count, -1)])
+            piece = _pad_rows(piece, count, padded)
         outs.append(matmul(piece)[:count])
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -292,7 +292,7 @@ class DecodeStack:
 
     The same operators in the same order as ``fastpath.LeanStack._run_fused`` with this
     module's matmul (so the same bits: tested), without the ~8 Python calls per layer
-    between them: at 16 rows a SmolLM2 step spent ~2 ms of its ~33 there. It takes steps
+    between them: at 16 rows a SmolLM2 step spent ~4 ms of its ~32 there. It takes steps
     of decode rows only (any number: every row gets its own bits, :class:`Layout`);
     anything else runs the Python pass.
     Build with :meth:`build` from a lean stack (None where a layer does not qualify).
@@ -336,7 +336,7 @@ class DecodeStack:
         return cls(lean, array, layers[0].attn.groups, epsilons.pop())
 
     def takes(self, rows: int, batch: object) -> bool:
-        """Whether this step is one for :meth:`run`: decode rows only, few enough."""
+        """Whether this step is one for :meth:`run`: decode rows only, the kernel active."""
         slots = batch.decode_slots  # type: ignore[attr-defined]
         return (
             rows > 0
