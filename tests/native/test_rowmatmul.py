@@ -236,26 +236,3 @@ def test_decode_steps_in_one_call_give_the_python_pass_bits(
     monkeypatch.setattr(rowmatmul, "STACK", True)
     assert run() == python_pass
     assert rows and max(rows) == 3  # decode-only steps of up to all three requests
-
-
-def test_a_request_gets_its_bits_beside_forty_others(kernel, smollm2_dir):
-    """oneDNN rounds rows of calls above 32 rows differently: before the engine split its
-    rows (``rowmatmul.Layout``), 3 of 6 requests sent beside 40 others got other greedy
-    tokens than alone, and all 6 other logprobs. A fresh engine (its first passes run while
-    the layers are still being packed), 40 short prompts and one long one (a chunk of its
-    own), then each alone."""
-    from tensorstream.engine import LLM, SamplingParams
-
-    llm = LLM(str(smollm2_dir), dtype="bfloat16", model_impl="native", cpu_threads=1)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
-    long = "Here is a long list of words to read: " + ", ".join(f"w{i}" for i in range(40))
-    prompts = [f"Tell me fact number {i} about the sea." for i in range(40)] + [long]
-    assert len(llm.tokenizer.encode(long)) > rowmatmul.MAX_ROWS
-
-    def key(output):
-        done = output.outputs[0]
-        return done.token_ids, [sorted((t, p.logprob) for t, p in d.items()) for d in done.logprobs]
-
-    together = [key(o) for o in llm.generate(prompts, params)]
-    for i in (0, 7, 23, 39, 40):
-        assert key(llm.generate([prompts[i]], params)[0]) == together[i], f"prompt {i}"

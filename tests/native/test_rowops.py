@@ -165,32 +165,61 @@ def _greedy(llm, prompts, fused: bool):
     ]
 
 
+def _matching_steps(run, reference):
+    """(request, step) pairs where ``run`` chose ``reference``'s tokens up to that step."""
+    for r, ((tokens, _), (ref_tokens, _)) in enumerate(zip(run, reference, strict=True)):
+        for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)):
+            if a != b:
+                break
+            yield r, i
+
+
 @needs_library
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_engine_with_fused_operators_follows_torch_operators(smollm2_dir, dtype, monkeypatch):
-    """SmolLM2's greedy tokens as with torch's operators, log-probabilities within the
-    dtype's rounding; a token may differ only where torch's top two nearly tie. The AMX
-    matmul (its own library half, off without the row operators) is held off in both runs,
-    so the two differ in the row operators alone (test_rowmatmul.py tests the matmul)."""
+    """SmolLM2's greedy tokens as with torch's operators; a token may differ only where
+    torch's top two nearly tie. In float32 the log-probabilities agree within 1e-3. In
+    bfloat16 two runs that round in other places drift apart by more than any fixed bound
+    says (0.26 nats on one host, 0.24 on another, each of them up to 0.28 from float32), so
+    there the fused operators are held to torch's own accuracy: measured against the float32
+    run, their errors are no larger than torch's bf16 operators'. The AMX matmul (its own
+    library half, off without the row operators) is held off in every run, so the runs differ
+    in the row operators alone (test_rowmatmul.py tests the matmul)."""
     monkeypatch.setattr(rowmatmul, "ENABLED", False)
     llm = LLM(str(smollm2_dir), device="cpu", dtype=dtype)
     prompts = [[1, 504, 3458, 5, 906], list(range(200, 260)), [9], [1, 28, 3717, 282]]
-    tolerance = 0.2 if dtype == "bfloat16" else 1e-3
+    tie = 0.3 if dtype == "bfloat16" else 1e-3
     fused, plain = _greedy(llm, prompts, True), _greedy(llm, prompts, False)
     agreeing = 0
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused, plain, strict=True):
         same = next(
             (i for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)) if a != b), None
         )
-        for i in range(len(tokens) if same is None else same):
-            assert abs(logprobs[i][tokens[i]] - ref_logprobs[i][tokens[i]]) <= tolerance
+        if dtype == "float32":
+            for i in range(len(tokens) if same is None else same):
+                assert abs(logprobs[i][tokens[i]] - ref_logprobs[i][tokens[i]]) <= 1e-3
         if same is None:
             agreeing += 1
         else:  # a near tie in torch's own logits
             reference = ref_logprobs[same]
             assert tokens[same] in reference, (same, tokens[same], reference)
-            assert reference[ref_tokens[same]] - reference[tokens[same]] <= tolerance
+            assert reference[ref_tokens[same]] - reference[tokens[same]] <= tie
     assert agreeing >= len(prompts) - 1
+    if dtype == "bfloat16":
+        exact = _greedy(LLM(str(smollm2_dir), device="cpu", dtype="float32"), prompts, False)
+
+        common = sorted(set(_matching_steps(fused, exact)) & set(_matching_steps(plain, exact)))
+
+        def errors(run):
+            return [
+                abs(run[r][1][i][exact[r][0][i]] - exact[r][1][i][exact[r][0][i]])
+                for r, i in common
+            ]
+
+        ours, torchs = errors(fused), errors(plain)
+        assert len(ours) >= 20, len(ours)  # most steps follow float32's tokens in both runs
+        assert sum(ours) <= 1.25 * sum(torchs) + 0.05, (sum(ours), sum(torchs))
+        assert max(ours) <= max(torchs) + 0.1, (max(ours), max(torchs))
 
 
 def _probe(env: dict[str, str], cache) -> subprocess.CompletedProcess:

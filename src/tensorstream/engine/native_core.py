@@ -297,8 +297,10 @@ class NativeEngineCore(EngineCore):
             return
         logit_owners = [owners[i] for i in picked]
         index = torch.tensor(picked, device=self.device)
-        # one row per sequence (rowmatmul.Layout, bf16 passes only)
-        layout = rowmatmul.Layout(len(picked)) if self.cache.dtype == torch.bfloat16 else None
+        # one row per sequence (rowmatmul.Layout, CPU passes: the split is the CPU's)
+        layout = None
+        if index.device.type == "cpu":
+            layout = rowmatmul.Layout(len(picked), dtype=self.cache.dtype)
         with rowmatmul.engine_pass(layout):
             logits = self.model.logits(hidden[index], self._adapters(logit_owners))
         for entry in decoding:

@@ -46,8 +46,9 @@ class Linear(nn.Linear):
             if fast is not None:
                 return fast(x)
         layout = rowmatmul.current()
-        if layout is not None and x.dtype == torch.bfloat16 and not torch.is_grad_enabled():
-            # not packed yet, in an engine pass: the packed matmul's bits (rowmatmul.Layout)
+        if layout is not None and x.dtype == layout.dtype and not torch.is_grad_enabled():
+            # in an engine pass: rows by role (rowmatmul.Layout); not packed yet (bf16), the
+            # packed matmul's bits
             flat = x.reshape(-1, x.shape[-1])
             out = rowmatmul.segmented(flat, layout, self._pieces, self._plain)
             return out.view(*x.shape[:-1], out.shape[-1])
@@ -57,7 +58,7 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def _pieces(self, x: torch.Tensor) -> torch.Tensor:
-        return rowmatmul.pieces(x, self._plain)
+        return rowmatmul.pieces(x, self._plain, packed=False)
 
 
 class Embedding(nn.Embedding):
@@ -218,10 +219,10 @@ def _fusion(
 def _row_layout(
     input_ids: torch.Tensor, batch: AttentionBatch | None, dtype: torch.dtype
 ) -> rowmatmul.Layout | None:
-    """A bf16 engine pass's :class:`rowmatmul.Layout` (token rows ``[tokens, 1]``), or None.
-    bf16 only: there the AMX kernel takes all short rows in one call (other dtypes would
-    need one call per 32 rows)."""
-    if batch is None or batch.plan is None or dtype != torch.bfloat16:
+    """An engine pass's :class:`rowmatmul.Layout` (token rows ``[tokens, 1]``), or None
+    (``rowmatmul.engine_pass`` drops it where nothing needs splitting). CPU passes only:
+    the split is about the CPU's matmuls."""
+    if batch is None or batch.plan is None or input_ids.device.type != "cpu":
         return None
     if input_ids.dim() != 2 or input_ids.shape[1] != 1:
         return None
@@ -230,7 +231,7 @@ def _row_layout(
         for item in batch.plan
         if item[0] == "prefill" and item[2] - item[1] > rowmatmul.MAX_ROWS
     )
-    return rowmatmul.Layout(input_ids.shape[0], big)
+    return rowmatmul.Layout(input_ids.shape[0], big, dtype)
 
 
 class Attention(CacheAttention, nn.Module):

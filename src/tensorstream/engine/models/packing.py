@@ -152,7 +152,7 @@ class FusedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         layout = rowmatmul.current()
-        if layout is not None and flat.dtype == torch.bfloat16:  # no row's bits depend on its step
+        if layout is not None and flat.dtype == layout.dtype:  # no row's bits depend on its step
             out = rowmatmul.segmented(flat, layout, self._small_rows, self._onednn)
         else:
             out = rowmatmul.matmul(flat, self)  # a few rows: the same bits, faster (AMX)

@@ -3,8 +3,9 @@
 Owns: whether a packed matmul (:class:`~tensorstream.engine.models.packing.FusedLinear`)
 runs through the C kernel (:func:`matmul`), the checked view of the packed weights it
 reads (:class:`Plan`), how an engine pass's rows split between it and oneDNN so that no
-row's bits depend on its step (:class:`Layout`, :func:`engine_pass`, :func:`segmented`),
-and a decode step's layers as one C call (:class:`DecodeStack`).
+row's bits depend on its step (:class:`Layout`, :func:`engine_pass`, :func:`segmented`;
+where the kernel does not run, :func:`splits_rows` probes whether the CPU's own matmuls
+need that split), and a decode step's layers as one C call (:class:`DecodeStack`).
 
 Why: a decode step multiplies a few rows by every weight of the model once, so it is
 bound by streaming the weights from memory. On one core of an AMX Xeon, oneDNN's packed
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
@@ -59,6 +61,7 @@ __all__ = [
     "pieces",
     "plan",
     "segmented",
+    "splits_rows",
     "threads",
 ]
 
@@ -93,14 +96,23 @@ class Layout:
     every row gets the 3-32-row bits whatever their number; layers not yet packed use
     torch's matmul on pieces of at most :data:`MAX_ROWS` rows (the same bits).
 
+    Where the kernel does not run (other CPUs, other dtypes, more threads), the same split
+    applies with the CPU's matmul over pieces of at most :data:`MAX_ROWS` rows for the
+    short rows, but only where :func:`splits_rows` finds that this CPU's matmuls round
+    rows of larger calls otherwise; elsewhere the pass runs unsplit (no cost).
+
     Attributes:
-        big: (first, stop) of the long prompt chunks, in the pass's row order.
         rows: rows in the pass (the row space of ``big``).
+        big: (first, stop) of the long prompt chunks, in the pass's row order.
+        dtype: the pass's compute dtype; matmuls in another one run unsplit.
     """
 
-    def __init__(self, rows: int, big: tuple[tuple[int, int], ...] = ()) -> None:
+    def __init__(
+        self, rows: int, big: tuple[tuple[int, int], ...] = (), dtype: torch.dtype = torch.bfloat16
+    ) -> None:
         self.rows = rows
         self.big = big
+        self.dtype = dtype
         self._small: torch.Tensor | None = None
 
     def small_rows(self) -> torch.Tensor:
@@ -116,9 +128,14 @@ class Layout:
 @contextlib.contextmanager
 def engine_pass(layout: Layout | None) -> Iterator[None]:
     """Within this block (on this thread), the native models' matmuls follow ``layout``
-    where this kernel runs (:func:`active`); elsewhere, or with None, nothing changes."""
+    where this kernel runs (:func:`active`, bf16) or where this CPU's matmuls need the
+    split (:func:`splits_rows`); elsewhere, or with None, nothing changes."""
     before = getattr(_state, "layout", None)
-    _state.layout = layout if layout is not None and active() else None
+    if layout is not None and not (layout.dtype == torch.bfloat16 and active()):
+        # no call of a pass of at most MAX_ROWS rows is larger: nothing to split, no probe
+        if layout.rows <= MAX_ROWS or not splits_rows(layout.dtype, torch.get_num_threads()):
+            layout = None
+    _state.layout = layout
     try:
         yield
     finally:
@@ -145,7 +162,7 @@ def segmented(
         raise ValueError(f"{x.shape[0]} rows in a pass of {layout.rows} with long chunks")
     index = layout.small_rows()
     parts = [(first, stop, big(x[first:stop])) for first, stop in layout.big]
-    out = torch.empty(x.shape[0], parts[0][2].shape[1], dtype=parts[0][2].dtype)
+    out = torch.empty(x.shape[0], parts[0][2].shape[1], dtype=parts[0][2].dtype, device=x.device)
     for first, stop, part in parts:
         out[first:stop] = part
     if index.numel():
@@ -153,21 +170,70 @@ def segmented(
     return out
 
 
-def pieces(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def pieces(
+    x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor], packed: bool = True
+) -> torch.Tensor:
     """``matmul`` over ``x`` in calls of at most :data:`MAX_ROWS` rows, each padded as the
-    engine pads small batches (``llama.padded_rows``): every row gets the bits of the
-    3-32-row calls (those of this kernel)."""
+    engine pads small batches (``llama.padded_rows``; ``packed``: ``matmul`` is oneDNN's
+    packed one, else torch's): every row gets the bits of the 32-row calls (for bf16 on
+    AMX, those of this kernel)."""
     from tensorstream.engine.models.llama import _pad_rows, padded_rows
 
     outs = []
     for start in range(0, x.shape[0], MAX_ROWS):
         piece = x[start : start + MAX_ROWS]
         count = piece.shape[0]
-        padded = padded_rows(count, x.dtype, packed=True)
+        padded = padded_rows(count, x.dtype, packed=packed)
         if padded > count:
             piece = _pad_rows(piece, count, padded)
         outs.append(matmul(piece)[:count])
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+#: Row counts above :data:`MAX_ROWS` that :func:`splits_rows` multiplies.
+_LARGE_ROWS = (33, 40, 64, 100)
+
+
+@functools.cache
+def splits_rows(dtype: torch.dtype, threads: int) -> bool:
+    """Whether this CPU's matmuls in ``dtype`` on ``threads`` threads round some row of a
+    call above :data:`MAX_ROWS` rows otherwise than :func:`pieces` of at most that many
+    (then engine passes split their rows, :class:`Layout`). Probed once per dtype and
+    thread count on the shapes ``llama.padded_rows`` probes, with torch's ``linear`` and
+    oneDNN's packed matmul where the engine packs ``dtype``; the AMX kernel's bf16 passes
+    split whatever this says.
+
+    Measured: oneDNN's packed bf16 on AMX Xeons rounds rows from 33 on otherwise (the
+    reason for :class:`Layout`); on a 2-core AVX-512 AMD EPYC (Zen 4), bf16 and float32 on
+    one or two threads, also with oneDNN and MKL held to AVX2, every count from 16 rows
+    gives every row the same bits, so passes there run unsplit.
+    """
+    from tensorstream.engine.models import packing
+    from tensorstream.engine.models.llama import _PROBE_SHAPES
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        generator = torch.Generator().manual_seed(1)
+        for features, outputs in _PROBE_SHAPES:
+            weight = torch.randn(outputs, features, generator=generator).to(dtype)
+            x = torch.randn(_LARGE_ROWS[-1], features, generator=generator).to(dtype)
+            matmuls = [(lambda rows, w=weight: torch.nn.functional.linear(rows, w), False)]
+            if packing.packed_dtype(dtype):
+                layer = torch.nn.Linear(features, outputs, bias=False, dtype=dtype)
+                layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+                fused = packing.FusedLinear.build([layer])
+                if fused is not None:
+                    matmuls.append((fused._onednn, True))
+            with torch.no_grad():
+                for matmul, packed in matmuls:
+                    split = pieces(x, matmul, packed)
+                    for rows in _LARGE_ROWS:
+                        if not torch.equal(matmul(x[:rows]), split[:rows]):
+                            return True
+        return False
+    finally:
+        torch.set_num_threads(before)
 
 
 def threads() -> int:
