@@ -229,7 +229,9 @@ def _padded_linear(rows: int, padded: int) -> Any:
     """The packed matmul over ``padded`` rows (the first repeated), as the module path
     runs small batches (``llama.padded_rows``); returns the ``rows`` real ones."""
 
+    from tensorstream.engine.models.llama import _pad_rows  # llama imports this module
+
     def linear(x: torch.Tensor, fused: FusedLinear) -> torch.Tensor:
-        return _packed_linear(torch.cat([x, x[:1].expand(padded - rows, -1)]), fused)[:rows]
+        return _packed_linear(_pad_rows(x, rows, padded), fused)[:rows]
 
     return linear
