@@ -26,6 +26,7 @@ __all__ = [
     "VOCAB",
     "builtin_model_dir",
     "copy_tokenizer",
+    "make_peft_adapter",
     "make_tiny_model",
     "tiny_factory",
 ]
@@ -142,3 +143,24 @@ def tiny_factory(
         return made[key]
 
     return make
+
+
+def make_peft_adapter(
+    base: Path, out: Path, targets: list[str], rank: int, seed: int, std: float = 0.5, **extra: Any
+) -> Path:
+    """A PEFT LoRA adapter of ``base`` saved at ``out``: rank ``rank`` on ``targets``,
+    ``lora_alpha`` twice the rank, B drawn with ``std`` (PEFT starts B at zero, a no-op
+    adapter otherwise); ``extra`` goes to ``LoraConfig`` (``use_rslora``, ``bias``)."""
+    import peft
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(base)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, **extra)
+    peft_model = peft.get_peft_model(model, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=std)
+    peft_model.save_pretrained(out)
+    return out

@@ -11,6 +11,11 @@ from tensorstream.engine import LLM, SamplingParams
 from tensorstream.engine.lora import LoRARequest
 from tensorstream.engine.models import rowmatmul
 
+try:  # tests/ as a package
+    from tests.tiny_models import make_peft_adapter
+except ImportError:  # rootdir-style: pytest put tests/ itself on sys.path
+    from tiny_models import make_peft_adapter
+
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=1)
 LONG = "Here is a long list of words to read: " + ", ".join(f"w{i}" for i in range(40))
 PROMPTS = [f"Tell me fact number {i} about the sea." for i in range(40)] + [LONG]
@@ -87,27 +92,11 @@ def test_the_probe_says_split_wherever_a_large_call_rounds_otherwise(dtype):
     assert rowmatmul.splits_rows(dtype, threads) or not differs
 
 
-def _adapter(base, out):
-    import peft
-    import transformers
-
-    torch.manual_seed(3)
-    model = transformers.AutoModelForCausalLM.from_pretrained(base)
-    targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
-    peft_model = peft.get_peft_model(
-        model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets)
-    )
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:  # PEFT starts B at zero: a no-op adapter otherwise
-                param.normal_(std=0.05)
-    peft_model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def smollm2_adapter(smollm2_dir, tmp_path_factory):
-    return _adapter(smollm2_dir, tmp_path_factory.mktemp("lora") / "adapter")
+    targets = ["q_proj", "v_proj", "gate_proj", "down_proj"]
+    out = tmp_path_factory.mktemp("lora") / "adapter"
+    return make_peft_adapter(smollm2_dir, out, targets, 8, 3, std=0.05)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

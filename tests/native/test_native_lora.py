@@ -9,6 +9,11 @@ from tensorstream.engine import LLM, SamplingParams
 from tensorstream.engine.lora import LoRARequest
 from tensorstream.errors import ConfigError
 
+try:  # tests/ as a package
+    from tests.tiny_models import make_peft_adapter
+except ImportError:  # rootdir-style: pytest put tests/ itself on sys.path
+    from tiny_models import make_peft_adapter
+
 PROMPT = [1, 504, 3458, 5, 906, 42, 17]
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 TARGETS = {
@@ -17,29 +22,13 @@ TARGETS = {
 }
 
 
-def _make_adapter(base, out, targets, rank, seed, **extra):
-    import peft
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_pretrained(base)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, **extra)
-    peft_model = peft.get_peft_model(model, config)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:  # PEFT starts B at zero: a no-op adapter otherwise
-                param.normal_(std=0.5)
-    peft_model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="module")
 def setup(tiny, tmp_path_factory):
     base = tiny("qwen2")  # biases in q/k/v: the low-rank update adds to a biased output
     root = tmp_path_factory.mktemp("native-lora")
     adapters = {
-        "attn": _make_adapter(base, root / "attn", TARGETS["attn"], 4, 1),
-        "mlp": _make_adapter(base, root / "mlp", TARGETS["mlp"], 8, 2, use_rslora=True),
+        "attn": make_peft_adapter(base, root / "attn", TARGETS["attn"], 4, 1),
+        "mlp": make_peft_adapter(base, root / "mlp", TARGETS["mlp"], 8, 2, use_rslora=True),
     }
     return base, adapters
 
@@ -88,7 +77,7 @@ def test_native_lora_refuses_adapters_it_cannot_apply(setup, tiny, tmp_path):
     with pytest.raises(ConfigError, match="does not fit this model"):
         other.add_lora(LoRARequest("attn", 1, str(adapters["attn"])))
     assert other.list_loras() == set()
-    biased = _make_adapter(base, tmp_path / "biased", ["q_proj"], 4, 3, bias="lora_only")
+    biased = make_peft_adapter(base, tmp_path / "biased", ["q_proj"], 4, 3, bias="lora_only")
     llm = LLM(str(base), device="cpu", enable_lora=True)
     with pytest.raises(ConfigError, match="trains biases"):
         llm.add_lora(LoRARequest("biased", 1, str(biased)))

@@ -10,6 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+try:  # tests/ as a package
+    from tests.tiny_models import make_peft_adapter
+except ImportError:  # rootdir-style: pytest put tests/ itself on sys.path
+    from tiny_models import make_peft_adapter
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 VOCAB = 49152  # SmolLM2's tokenizer
 
@@ -60,31 +65,14 @@ def other_llama(tmp_path_factory, smollm2_dir) -> Path:
     return _tiny_llama(tmp_path_factory.mktemp("other-llama"), smollm2_dir, 48, 1)
 
 
-def make_adapter(base: Path, out: Path, targets: list[str], rank: int, seed: int) -> Path:
-    import peft
-    import transformers
-
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_pretrained(base)
-    peft_model = peft.get_peft_model(
-        model, peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets)
-    )
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:  # PEFT initialises B to zero: a no-op adapter otherwise
-                param.normal_(std=0.5)
-    peft_model.save_pretrained(out)
-    return out
-
-
 @pytest.fixture(scope="session")
 def adapters(tmp_path_factory, tiny_llama) -> dict[str, Path]:
     """Two PEFT adapters of ``tiny_llama`` (ranks 4 and 8, different targets) and one of rank 32."""
     root = tmp_path_factory.mktemp("adapters")
     return {
-        "a1": make_adapter(tiny_llama, root / "a1", ["q_proj", "v_proj"], 4, 1),
-        "a2": make_adapter(tiny_llama, root / "a2", ["q_proj", "o_proj", "gate_proj"], 8, 2),
-        "big": make_adapter(tiny_llama, root / "big", ["q_proj"], 32, 3),
+        "a1": make_peft_adapter(tiny_llama, root / "a1", ["q_proj", "v_proj"], 4, 1),
+        "a2": make_peft_adapter(tiny_llama, root / "a2", ["q_proj", "o_proj", "gate_proj"], 8, 2),
+        "big": make_peft_adapter(tiny_llama, root / "big", ["q_proj"], 32, 3),
     }
 
 
