@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
             prefix = f"vllm/{model_dir.name}/v1"
             for f in tensorized.iterdir():
                 client.upload_file(str(f), "bench", f"{prefix}/{f.name}")
+            # Files just written (the synthetic model, its tensorized copy, SeaweedFS's
+            # volume) are written back before anything is timed, not beside it.
+            os.sync()
             cases = {
                 "tensorstream-local": ("tensorstream", str(tensorized)),
                 "tensorstream-s3": ("tensorstream", f"s3://bench/{prefix}"),
