@@ -242,9 +242,9 @@ def _destroy_group_at_exit() -> None:
     Left to interpreter teardown, gloo's worker threads can still hold work when the
     interpreter is gone, and the process aborts (``terminate called without an active
     exception``, SIGABRT: torch issue 190489): 6 of 16 three-rank runs on two busy cores
-    here, 0 of 16 with this. The user's program has ended when this runs (it is registered before
-    ``Driver.close``, so it runs after it); only an exit handler of theirs registered before
-    the LLM and using the group would see it gone.
+    here, 0 of 16 with this. The user's program has ended when this runs (registered
+    before ``Driver.close``, it runs after it); only an exit handler of theirs registered
+    before the LLM and using the group would find it gone.
     """
     import torch.distributed as dist
 
