@@ -180,7 +180,7 @@ def test_engine_with_fused_operators_follows_torch_operators(smollm2_dir, dtype,
     """SmolLM2's greedy tokens as with torch's operators; a token may differ only where
     torch's top two nearly tie. In float32 the log-probabilities agree within 1e-3. In
     bfloat16 two runs that round in other places drift apart by more than any fixed bound
-    says (0.26 nats on one host, 0.24 on another, each of them up to 0.28 from float32), so
+    says (0.26 nats on a Zen 4 host, where each is up to 0.28 from float32), so
     there the fused operators are held to torch's own accuracy: measured against the float32
     run, their errors are no larger than torch's bf16 operators'. The AMX matmul (its own
     library half, off without the row operators) is held off in every run, so the runs differ
@@ -188,7 +188,7 @@ def test_engine_with_fused_operators_follows_torch_operators(smollm2_dir, dtype,
     monkeypatch.setattr(rowmatmul, "ENABLED", False)
     llm = LLM(str(smollm2_dir), device="cpu", dtype=dtype)
     prompts = [[1, 504, 3458, 5, 906], list(range(200, 260)), [9], [1, 28, 3717, 282]]
-    tie = 0.3 if dtype == "bfloat16" else 1e-3
+    tie = 0.2 if dtype == "bfloat16" else 1e-3
     fused, plain = _greedy(llm, prompts, True), _greedy(llm, prompts, False)
     agreeing = 0
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(fused, plain, strict=True):

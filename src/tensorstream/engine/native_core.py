@@ -297,12 +297,9 @@ class NativeEngineCore(EngineCore):
             return
         logit_owners = [owners[i] for i in picked]
         index = torch.tensor(picked, device=self.device)
-        # one row per sequence (rowmatmul.Layout, CPU passes: the split is the CPU's)
-        layout = None
-        if index.device.type == "cpu":
-            layout = rowmatmul.Layout(len(picked), dtype=self.cache.dtype)
-        with rowmatmul.engine_pass(layout):
-            logits = self.model.logits(hidden[index], self._adapters(logit_owners))
+        rows = hidden[index]
+        with rowmatmul.engine_pass(rowmatmul.head_layout(rows, self.cache.dtype)):
+            logits = self.model.logits(rows, self._adapters(logit_owners))
         for entry in decoding:
             entry.cached += 1
         for entry, _, end in chunks:

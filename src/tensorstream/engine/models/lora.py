@@ -62,8 +62,6 @@ def _low_rank(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -
     from tensorstream.engine.models import rowmatmul
 
     flat = x.reshape(-1, x.shape[-1]).to(a.dtype)
-    if not flat.shape[0]:
-        return torch.zeros(*x.shape[:-1], b.shape[0], dtype=a.dtype, device=x.device)
     if flat.device.type == "cpu":
         delta = rowmatmul.pieces(flat, lambda rows: (rows @ a.T) @ b.T * scale, packed=False)
     else:

@@ -57,6 +57,7 @@ __all__ = [
     "active",
     "current",
     "engine_pass",
+    "head_layout",
     "matmul",
     "pieces",
     "plan",
@@ -170,6 +171,13 @@ def segmented(
     return out
 
 
+def head_layout(rows: torch.Tensor, dtype: torch.dtype) -> Layout | None:
+    """The LM head's :class:`Layout` for ``rows`` (one row per sequence, no long chunk), or
+    None off the CPU (the split is about the CPU's matmuls); rank 0's engine and the
+    tensor-parallel followers pass the same one."""
+    return Layout(rows.shape[0], dtype=dtype) if rows.device.type == "cpu" else None
+
+
 def pieces(
     x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor], packed: bool = True
 ) -> torch.Tensor:
@@ -179,6 +187,8 @@ def pieces(
     AMX, those of this kernel)."""
     from tensorstream.engine.models.llama import _pad_rows, padded_rows
 
+    if not x.shape[0]:
+        return matmul(x)
     outs = []
     for start in range(0, x.shape[0], MAX_ROWS):
         piece = x[start : start + MAX_ROWS]

@@ -63,18 +63,10 @@ def run_command(cmd: tuple[Any, ...], model: Any, cache: Any) -> Any:
         return model.hidden_states(ids, positions, dataclasses.replace(batch, cache=cache))
     elif kind == "logits":  # a vocab-parallel head: every rank computes its slice
         hidden = cmd[1].to(model.device)  # unpickled onto rank 0's device
-        with rowmatmul.engine_pass(_head_layout(hidden, model.dtype)):
+        # rank 0's row layout: else a slice of a step above 32 rows rounds otherwise than alone
+        with rowmatmul.engine_pass(rowmatmul.head_layout(hidden, model.dtype)):
             return model.logits(hidden)
     return None
-
-
-def _head_layout(hidden: torch.Tensor, dtype: torch.dtype) -> rowmatmul.Layout | None:
-    """The LM head's row layout on a follower, as rank 0's engine passes it (one row per
-    sequence, CPU only): without it a follower's slice of a step above 32 rows would round
-    otherwise than alone where rank 0's does not (``rowmatmul.Layout``)."""
-    if hidden.device.type != "cpu":
-        return None
-    return rowmatmul.Layout(hidden.shape[0], dtype=dtype)
 
 
 def follow(model: Any, cache: Any, device: torch.device | None = None) -> None:
