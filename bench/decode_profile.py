@@ -44,7 +44,7 @@ SWITCHES = {
                   "one padded attention call", "one per length"),
     "lean": ("fastpath", "ENABLED", True, False, "lean pass", "modules"),
     "rowops": ("rowops", "ENABLED", True, False, "fused row operators", "torch operators"),
-    "rowmatmul": ("rowmatmul", "ENABLED", True, False, "AMX small-batch matmul", "oneDNN alone"),
+    "rowmatmul": ("rowmatmul", "ENABLED", True, False, "small-batch matmul (AMX/AVX-512)", "oneDNN alone"),
     "stack": ("rowmatmul", "STACK", True, False, "one C call per step", "Python lean pass"),
 }  # fmt: skip
 
@@ -177,7 +177,7 @@ def main() -> None:
     parser.add_argument(
         "--compare-rowmatmul",
         action="store_const", const="rowmatmul", dest="compare",
-        help="alternate the AMX small-batch matmul (engine/models/rowmatmul.py) and oneDNN alone",
+        help="alternate the small-batch matmul (engine/models/rowmatmul.py: AMX or AVX-512 bf16) and oneDNN alone",
     )  # fmt: skip
     parser.add_argument(
         "--compare-stack",

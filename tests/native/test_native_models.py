@@ -94,14 +94,24 @@ def test_bf16_logits_close_and_greedy_equal(tiny, variant):
 
 
 def test_smollm2_logits_and_greedy_equal_transformers(smollm2_dir):
+    """bf16 logits as accurate as transformers' bf16 ones, measured against its float32
+    model: where our matmuls are oneDNN's they are equal, but with the AVX-512 bf16 kernel
+    (no AMX) the same products are summed in another order, and bf16 noise through 30
+    layers moves logits by up to ~0.9 either way (measured on a Zen 4: max error against
+    float32 0.463 / 0.756 for both, mean 0.101 / 0.110 against 0.101 / 0.125)."""
     llm = LLM("smollm2-135m", device="cpu", dtype="bfloat16")  # auto may pick float32
     assert llm.model_impl == "native" and llm.model.dtype == torch.bfloat16
     reference = _reference(smollm2_dir, torch.bfloat16)
+    exact = _reference(smollm2_dir, torch.float32)
     prompt = llm.tokenizer("The capital of France is")["input_ids"]
-    with torch.no_grad():
-        ours = llm.model(torch.tensor([prompt])).logits.float()
-        theirs = reference(torch.tensor([prompt])).logits.float()
-    torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=5e-2)
+    for text in ("The capital of France is", PROMPTS[1]):
+        ids = torch.tensor([llm.tokenizer(text)["input_ids"]])
+        with torch.no_grad():
+            ours = llm.model(ids).logits.float()
+            theirs, truth = reference(ids).logits.float(), exact(ids).logits
+        ours_error, their_error = (ours - truth).abs(), (theirs - truth).abs()
+        assert ours_error.max() <= their_error.max() * 1.25 + 0.05, text
+        assert ours_error.mean() <= their_error.mean() * 1.25 + 0.01, text
     got = llm.generate(
         "The capital of France is", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     )[0].outputs[0]

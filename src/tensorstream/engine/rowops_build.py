@@ -39,7 +39,7 @@ __all__ = ["ENV", "SUFFIXES", "library", "start_build"]
 logger = logging.getLogger("tensorstream.engine")
 
 ENV = "TENSORSTREAM_ROWOPS"
-_ABI = 5
+_ABI = 6
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
 #: dtype name -> the C functions' suffix.
 SUFFIXES = {"bfloat16": "bf16", "float32": "float"}
@@ -57,6 +57,7 @@ _SIGNATURES = {
     + [_I, _P, _I, _I, _I, _P],
 }
 _MATMUL = [_P, _I, _I, _I, _I, _P, _P, _P, _I, _I]
+_PLAIN_MATMUL = [_P, _I, _I, _I, _I, _P, _I, _P, _P, _I]
 _DECODE_STACK = [_P, _I, _I, _I, _P, _I, _I, _I, _I, _I, _F, _F] + [_P] * 11 + [_I]
 
 _lock = threading.Lock()
@@ -81,16 +82,21 @@ class _Library:
                 fn = getattr(self.cdll, f"{name}_{suffix}")
                 fn.argtypes, fn.restype = argtypes, None
                 self.ops[name, dtype] = fn
-        # The small-batch matmul (csrc/rowmatmul.h): bfloat16 only, AMX hosts only.
+        # The small-batch matmul (csrc/rowmatmul.h): bfloat16 only, on AMX or AVX-512 bf16.
         self.matmul = self.cdll.rowmatmul_bf16
         self.matmul.argtypes, self.matmul.restype = _MATMUL, ctypes.c_int
         self.cdll.rowmatmul_ready.restype = ctypes.c_int
+        self.cdll.rowmatmul_block.restype = ctypes.c_int
+        self.plain_matmul = self.cdll.rowmatmul_plain_bf16
+        self.plain_matmul.argtypes, self.plain_matmul.restype = _PLAIN_MATMUL, ctypes.c_int
+        #: Outputs per block of the packed layout the matmul reads (0: no matmul built).
+        self.matmul_block = int(self.cdll.rowmatmul_block())
         self.decode_stack = self.cdll.decode_stack_bf16
         self.decode_stack.argtypes, self.decode_stack.restype = _DECODE_STACK, ctypes.c_int
         self._matmul_ready: bool | None = None
 
     def matmul_ready(self) -> bool:
-        """Whether this build has the AMX matmul and the kernel lets the process use it."""
+        """Whether this build has the matmul (AMX: and the kernel lets the process use it)."""
         if self._matmul_ready is None:
             self._matmul_ready = bool(self.cdll.rowmatmul_ready())
         return self._matmul_ready

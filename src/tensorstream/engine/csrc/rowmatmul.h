@@ -1,30 +1,59 @@
-/* Small-batch matmuls on AMX tiles: y = x W^T (+ bias) for a few bfloat16 rows.
+/* Small-batch matmuls: y = x W^T (+ bias) for a few bfloat16 rows, over oneDNN's own
+ * packed weights (no copy of their own), on AMX tiles or on AVX-512 bf16 dot products.
  *
  * Included by rowops.c; called through engine/models/rowmatmul.py. A decode step
- * multiplies a few rows by every weight of the model once, so it is bound by streaming
- * the weights from memory. On one core of an AMX Xeon, oneDNN's packed matmul streamed
- * SmolLM2's weights at 8.3-9.7 GB/s and paid ~17 us of set-up per call; this kernel reads
- * the very same packed bytes (oneDNN's AB16b32a2b layout, no copy of its own) at
- * 10-12.6 GB/s, against 14.5 GB/s for a bare read loop.
+ * multiplies a few rows by every weight of the model once. oneDNN pays ~17 us of set-up
+ * per call and, for a few rows, leaves much of the core unused: on one core of an AMX
+ * Xeon it streamed SmolLM2's weights at 8.3-9.7 GB/s where the AMX kernel here reads the
+ * very same packed bytes at 10-12.6 GB/s (a bare read loop: 14.5); on a Zen 4 core its
+ * AVX-512 bf16 matmul of 16 rows ran at ~150 GFLOP/s against ~218 for large products,
+ * which the AVX-512 kernel here comes close to (numbers in rowmatmul.py).
  *
- * x rows are tile A straight from memory (up to 16 rows x 32 inputs); the packed weights
- * are tile B (16 input pairs x 16 outputs), read as one sequential stream per 32 outputs;
- * the accumulators hold 16 rows x 16 outputs in float32. Every output is the same sum in
- * the same order whatever the number of rows (a row gets the same bits alone or in a
- * batch), and for 3-32 rows the same as oneDNN's (measured; rowmatmul.py says where).
+ * AMX (oneDNN's AB16b32a2b layout: per 32 outputs, per 32 inputs, 16 input pairs x 32
+ * outputs x 2): x rows are tile A straight from memory (up to 16 rows x 32 inputs); the
+ * packed weights are tile B (16 input pairs x 16 outputs), read as one sequential stream
+ * per 32 outputs; the accumulators hold 16 rows x 16 outputs in float32.
  *
- * With two threads a helper thread takes the upper half of each call's outputs.
+ * AVX-512 bf16 without AMX (oneDNN's AB16b64a2b layout there: per 64 outputs, input
+ * pairs x 64 outputs x 2): up to 6 rows x 64 outputs of float32 accumulators in 24
+ * registers, one VDPBF16PS per input pair, 16 outputs and one row.
  *
- * Shapes: inputs and outputs multiples of 32.
+ * Both: every output is one float32 sum over the input pairs in their order, whatever the
+ * number of rows (a row gets the same bits alone or in a batch); rowmatmul.py says where
+ * that equals oneDNN's own bits (measured). With two threads a helper thread takes the
+ * upper half of each call's outputs.
+ *
+ * Shapes: inputs multiples of 32; outputs multiples of 32 on AMX, of 16 on AVX-512 bf16
+ * (where oneDNN pads the last block to 64 outputs).
  */
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#if defined(__AVX512F__) && defined(__linux__) && \
+    ((defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(__AVX512BF16__))
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+
+/* acc: rows x 16 float32 (row stride lda floats); y[m][0..15] = bf16(acc[m] + bias),
+ * rounded as every bf16 store of rowops.c (vstore_bf16). bias: 16 values or NULL. */
+static inline void store_rows(const float *acc, int64_t lda, int64_t rows, const bf16 *bias,
+                              bf16 *y, int64_t ldy) {
+    const vf add = bias ? vload_bf16(bias) : (vf){0};
+    for (int64_t m = 0; m < rows; m++) vstore_bf16(y + m * ldy, vload_f32(acc + lda * m) + add);
+}
+
+/* One call's operands, and the outputs [n_begin, n_end) one thread computes. */
+typedef struct {
+    const bf16 *x, *packed, *bias;
+    bf16 *y;
+    int64_t m, ldx, k, ldy, n_begin, n_end;
+} matmul_job;
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+int rowmatmul_block(void) { return 32; } /* outputs per packed block */
 
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -50,14 +79,6 @@ static void configure(int64_t rows) {
     cfg.rows[4] = (uint8_t)rows;                             /* x: rows x 32 inputs */
     cfg.rows[5] = cfg.rows[6] = 16;                          /* weights: 16 pairs x 16 */
     _tile_loadconfig(&cfg);
-}
-
-/* acc: rows x 16 float32 (64-byte rows); y[m][0..15] = bf16(acc[m] + bias), rounded as
- * every bf16 store of rowops.c (vstore_bf16). bias: 16 values or NULL. */
-static inline void store_rows(const float *acc, int64_t rows, const bf16 *bias, bf16 *y,
-                              int64_t ldy) {
-    const vf add = bias ? vload_bf16(bias) : (vf){0};
-    for (int64_t m = 0; m < rows; m++) vstore_bf16(y + m * ldy, vload_f32(acc + 16 * m) + add);
 }
 
 /* One 32-input step of a 32-output block (weights w) into accumulators c0, c1; the
@@ -91,15 +112,8 @@ static inline void block_rows(const bf16 *x, int64_t rows, int64_t ldx, int64_t 
     _tile_stored(2, acc[2], 64);
     _tile_stored(3, acc[3], 64);
     for (int j = 0; j < (pair ? 4 : 2); j++)
-        store_rows(acc[j], rows, bias ? bias + 16 * j : NULL, y + 16 * j, ldy);
+        store_rows(acc[j], 16, rows, bias ? bias + 16 * j : NULL, y + 16 * j, ldy);
 }
-
-/* One call's operands, and the outputs [n_begin, n_end) one thread computes. */
-typedef struct {
-    const bf16 *x, *packed, *bias;
-    bf16 *y;
-    int64_t m, ldx, k, ldy, n_begin, n_end;
-} matmul_job;
 
 /* Outputs are walked in pairs of blocks (64), rows in tiles of 16 inside each pair, so a
  * pair's weights (64 x k) come from memory once and from cache for the next 16 rows. */
@@ -121,6 +135,118 @@ static void matmul_range(const matmul_job *j) {
     }
     _tile_release();
 }
+
+int rowmatmul_plain_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
+                         const bf16 *w, int64_t ldw, const bf16 *bias, bf16 *y, int64_t ldy) {
+    (void)x; (void)m; (void)ldx; (void)k; (void)n; (void)w; (void)ldw; (void)bias; (void)y;
+    (void)ldy;
+    return -1; /* AMX: torch's matmul already gives the kernel's bits (rowmatmul.py) */
+}
+
+#else /* AVX-512 bf16 dot products, no AMX */
+
+int rowmatmul_block(void) { return 64; } /* outputs per packed block */
+
+int rowmatmul_ready(void) { return 1; }
+
+#define TILE_ROWS 6 /* 6 rows x 4 vectors of accumulators: 24 of the 32 registers */
+
+/* rows (1..TILE_ROWS, a constant after inlining) x 64 outputs of one packed block w
+ * ([pairs][64][2]), the first `vectors` x 16 of them rounded with the bias into y (a last
+ * block oneDNN padded to 64 outputs holds fewer). */
+static inline __attribute__((always_inline)) void tile_rows(const bf16 *x, int64_t ldx,
+                                                            int64_t pairs, const bf16 *w,
+                                                            const int rows, int vectors,
+                                                            const bf16 *bias, bf16 *y,
+                                                            int64_t ldy) {
+    __m512 acc[TILE_ROWS][4];
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        const bf16 *wp = w + p * 128;
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(wp);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+        const __m512bh b2 = (__m512bh)_mm512_loadu_si512(wp + 64);
+        const __m512bh b3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+        for (int r = 0; r < rows; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * ldx + 2 * p, 4);
+            const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+            acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
+            acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
+        }
+    }
+    float out[TILE_ROWS][64] __attribute__((aligned(64)));
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++) _mm512_store_ps(out[r] + 16 * c, acc[r][c]);
+    for (int c = 0; c < vectors; c++)
+        store_rows(out[0] + 16 * c, 64, rows, bias ? bias + 16 * c : NULL, y + 16 * c, ldy);
+}
+
+/* Outputs are walked by packed block (64), rows in tiles of TILE_ROWS inside each, so a
+ * block's weights (64 x k) come from memory once and from cache for the next rows. */
+static void matmul_range(const matmul_job *j) {
+    const int64_t pairs = j->k / 2, block = 64 * j->k;
+    for (int64_t n0 = j->n_begin; n0 < j->n_end; n0 += 64) {
+        const bf16 *w = j->packed + (n0 / 64) * block;
+        const bf16 *bias = j->bias ? j->bias + n0 : NULL;
+        const int vectors = (int)((j->n_end - n0 < 64 ? j->n_end - n0 : 64) / 16);
+        for (int64_t m0 = 0; m0 < j->m; m0 += TILE_ROWS) {
+            const bf16 *x = j->x + m0 * j->ldx;
+            bf16 *y = j->y + m0 * j->ldy + n0;
+            switch (j->m - m0 < TILE_ROWS ? j->m - m0 : TILE_ROWS) {
+            case 1: tile_rows(x, j->ldx, pairs, w, 1, vectors, bias, y, j->ldy); break;
+            case 2: tile_rows(x, j->ldx, pairs, w, 2, vectors, bias, y, j->ldy); break;
+            case 3: tile_rows(x, j->ldx, pairs, w, 3, vectors, bias, y, j->ldy); break;
+            case 4: tile_rows(x, j->ldx, pairs, w, 4, vectors, bias, y, j->ldy); break;
+            case 5: tile_rows(x, j->ldx, pairs, w, 5, vectors, bias, y, j->ldy); break;
+            default: tile_rows(x, j->ldx, pairs, w, 6, vectors, bias, y, j->ldy); break;
+            }
+        }
+    }
+}
+
+/* The same sums from the checkpoint's row-major weights (w: [n][ldw], pairs gathered
+ * 16 outputs at a time), for layers not packed yet: a row gets the bits the packed
+ * kernel will give it once they are. Slower than packed (gathers), but it only runs in
+ * the first passes, while packing is spread over them (packing.PACK_STEP_BYTES). */
+int rowmatmul_plain_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
+                         const bf16 *w, int64_t ldw, const bf16 *bias, bf16 *y, int64_t ldy) {
+    if (n % 16 || k % 2 || ldw % 2) return -1;
+    const int64_t pairs = k / 2;
+    const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                              6, 5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32((int32_t)(ldw / 2)));
+    for (int64_t n0 = 0; n0 < n; n0 += 16) {
+        const int32_t *rows16 = (const int32_t *)(w + n0 * ldw);
+        for (int64_t m0 = 0; m0 < m; m0 += 16) {
+            const int64_t rows = m - m0 < 16 ? m - m0 : 16;
+            __m512 acc[16];
+            for (int r = 0; r < 16; r++) acc[r] = _mm512_setzero_ps();
+            /* the next 16 outputs' rows are the next 16 * k values: one cache line of them
+             * per pair (k / 2 lines), fetched while these are summed */
+            const char *next = (const char *)(w + (n0 + 16) * ldw);
+            const int prefetch = n0 + 16 < n && ldw == k;
+            for (int64_t p = 0; p < pairs; p++) {
+                if (prefetch) _mm_prefetch(next + 64 * p, _MM_HINT_T0);
+                const __m512bh b = (__m512bh)_mm512_i32gather_epi32(lanes, rows16 + p, 4);
+                for (int64_t r = 0; r < rows; r++) {
+                    int32_t pair;
+                    memcpy(&pair, x + (m0 + r) * ldx + 2 * p, 4);
+                    acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), b);
+                }
+            }
+            float out[16][16] __attribute__((aligned(64)));
+            for (int64_t r = 0; r < rows; r++) _mm512_store_ps(out[r], acc[r]);
+            store_rows(out[0], 16, rows, bias ? bias + n0 : NULL, y + m0 * ldy + n0, ldy);
+        }
+    }
+    return 0;
+}
+
+#endif
 
 /* --- a second thread for two-thread processes ----------------------------------- *
  * One helper thread takes the upper half of each call's outputs (the same sums: the
@@ -184,9 +310,9 @@ static int helper_start(void) {
 }
 
 /* y = x W^T (+ bias). x: [m, k] bfloat16 (row stride ldx); W: n x k in oneDNN's packed
- * bf16 layout for AMX (AB16b32a2b: [n/32][k/32][16 input pairs][32 outputs][2]); bias:
- * [n] or NULL; y: [m, n] (row stride ldy). n and k multiples of 32. threads: 1, or 2 to
- * give the upper half of the outputs to the helper thread. */
+ * bf16 layout ([n/B][k/2 input pairs][B outputs][2], B = rowmatmul_block()); bias:
+ * [n] or NULL; y: [m, n] (row stride ldy). k a multiple of 32, n as the header says.
+ * threads: 1, or 2 to give the upper half of the outputs to the helper thread. */
 int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
                    const bf16 *packed, const bf16 *bias, bf16 *y, int64_t ldy, int64_t threads) {
     matmul_job job = {x, packed, bias, y, m, ldx, k, ldy, 0, n};
@@ -200,7 +326,7 @@ int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
         matmul_range(&job);
         return 0;
     }
-    const int64_t split = n / 2 / 64 * 64; /* whole pairs of blocks on each side */
+    const int64_t split = n / 2 / 64 * 64; /* whole 64-output blocks (pairs on AMX) per side */
     helper_job = job;
     helper_job.n_begin = split;
     job.n_end = split;
@@ -262,9 +388,11 @@ int decode_stack_bf16(bf16 *x, int64_t rows, int64_t hidden, int64_t layers,
     return 0;
 }
 
-#else /* no AMX in this build: the Python side keeps oneDNN's matmuls */
+#else /* neither AMX nor AVX-512 bf16 in this build: the Python side keeps oneDNN's */
 
 int rowmatmul_ready(void) { return 0; }
+
+int rowmatmul_block(void) { return 0; }
 
 int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
                    const bf16 *packed, const bf16 *bias, bf16 *y, int64_t ldy, int64_t threads) {
@@ -272,6 +400,8 @@ int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
     (void)threads;
     return -1;
 }
+
+int rowmatmul_plain_bf16(void) { return -1; }
 
 int decode_stack_bf16(void) { return -1; } /* never called: rowmatmul_ready() said 0 */
 

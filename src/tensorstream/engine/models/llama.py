@@ -58,7 +58,8 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
     def _pieces(self, x: torch.Tensor) -> torch.Tensor:
-        return rowmatmul.pieces(x, self._plain, packed=False)
+        out = rowmatmul.plain(x, self)  # the packed kernel's bits where it has its own
+        return rowmatmul.pieces(x, self._plain, packed=False) if out is None else out
 
 
 class Embedding(nn.Embedding):

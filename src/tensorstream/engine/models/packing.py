@@ -155,7 +155,7 @@ class FusedLinear:
         if layout is not None and flat.dtype == layout.dtype:  # no row's bits depend on its step
             out = rowmatmul.segmented(flat, layout, self._small_rows, self._onednn)
         else:
-            out = rowmatmul.matmul(flat, self)  # a few rows: the same bits, faster (AMX)
+            out = rowmatmul.matmul(flat, self)  # a few rows: faster (AMX, AVX-512 bf16)
             if out is None:
                 out = self._onednn(flat)
         return out.view(*x.shape[:-1], out.shape[-1])

@@ -1,33 +1,43 @@
-"""Small-batch matmuls on AMX tiles over oneDNN's own packed weights (``csrc/rowmatmul.h``).
+"""Small-batch matmuls over oneDNN's own packed weights (``csrc/rowmatmul.h``), on AMX
+tiles or on AVX-512 bf16 dot products.
 
 Owns: whether a packed matmul (:class:`~tensorstream.engine.models.packing.FusedLinear`)
 runs through the C kernel (:func:`matmul`), the checked view of the packed weights it
-reads (:class:`Plan`), how an engine pass's rows split between it and oneDNN so that no
-row's bits depend on its step (:class:`Layout`, :func:`engine_pass`, :func:`segmented`;
-where the kernel does not run, :func:`splits_rows` probes whether the CPU's own matmuls
-need that split), and a decode step's layers as one C call (:class:`DecodeStack`).
+reads (:class:`Plan`), the same sums from weights not packed yet (:func:`plain`), how an
+engine pass's rows split between it and oneDNN so that no row's bits depend on its step
+(:class:`Layout`, :func:`engine_pass`, :func:`segmented`; where the kernel does not run,
+:func:`splits_rows` probes whether the CPU's own matmuls need that split), and a decode
+step's layers as one C call (:class:`DecodeStack`).
 
-Why: a decode step multiplies a few rows by every weight of the model once, so it is
-bound by streaming the weights from memory. On one core of an AMX Xeon, oneDNN's packed
-bf16 matmul streamed SmolLM2's weights at 8.3-9.7 GB/s for 1-48 rows, and paid ~17 us of
-set-up per call; the kernel here reads the very same packed bytes at 10-12.6 GB/s (a bare
-read loop: 14.5) with ~1 us of set-up (``bench.decode_profile --compare-rowmatmul``
-alternates the two per step). No second copy of the weights.
+Why: a decode step multiplies a few rows by every weight of the model once. On one core
+of an AMX Xeon, oneDNN's packed bf16 matmul streamed SmolLM2's weights at 8.3-9.7 GB/s for
+1-48 rows, and paid ~17 us of set-up per call; the AMX kernel here reads the very same
+packed bytes at 10-12.6 GB/s (a bare read loop: 14.5) with ~1 us of set-up. On one core of
+a Zen 4 (AVX-512 bf16, no AMX), oneDNN's 1-4-row products ran at 17-156 GFLOP/s and 16
+rows at 160-207 against ~218 for large ones; the AVX-512 kernel ran the same shapes at
+34-205 and 182-201 (1.3-2.3x at 1-4 rows), and whole decode steps 1.74x faster at one row
+(11.9 against 20.7 ms) and 1.26x at 16 (30.3 against 38.3 ms), the one-call steps of
+:class:`DecodeStack` included (``bench.decode_profile --compare-rowmatmul`` alternates the
+two per step). No second copy of the weights.
 
-Bits: for 3 to :data:`MAX_ROWS` rows oneDNN's kernel and this one add the same products
-in the same order; measured equal bit for bit on every shape of the supported models
-(``tests/native/test_rowmatmul.py``). One or two rows get the bits oneDNN gives them
-padded to four (``llama.padded_rows``): each output of this kernel depends on its own row
-only, in a call of any size. Above :data:`MAX_ROWS` rows oneDNN rounds differently, so
-within an engine pass (:class:`Layout`) rows are multiplied by role and a request's bits
-never depend on what shares its step; outside one (a plain ``model(input_ids)``) calls
-above :data:`MAX_ROWS` rows stay oneDNN's, as transformers' are.
+Bits: every output of either kernel depends on its own row only, in a call of any size.
+On AMX, for 3 to :data:`MAX_ROWS` rows oneDNN's kernel and this one add the same products
+in the same order (measured equal bit for bit on every shape of the supported models,
+``tests/native/test_rowmatmul.py``); one or two rows get the bits oneDNN gives them padded
+to four (``llama.padded_rows``). With AVX-512 bf16 alone the kernel's sums are its own
+(each output the input pairs in order, one VDPBF16PS each: oneDNN's products, added in
+another order, equally accurate; tested against a float32 definition of them), so layers
+not packed yet run :func:`plain` for the same bits. Above :data:`MAX_ROWS` rows oneDNN
+rounds differently, so within an engine pass (:class:`Layout`) rows are multiplied by role
+and a request's bits never depend on what shares its step; outside one (a plain
+``model(input_ids)``) calls above :data:`MAX_ROWS` rows stay oneDNN's, as transformers' are.
 
-Where it runs: bfloat16 on a CPU with AMX (the C library built, ``rowops``), one or two
-compute threads (with two, a helper thread in the C library takes half of each call's
-outputs; with more, oneDNN's matmul spreads over all of them), outputs and inputs
-multiples of 32, the packed weights in the layout checked by :class:`Plan`.
-``ENABLED = False`` (or ``TENSORSTREAM_ROWOPS=0``) keeps oneDNN.
+Where it runs: bfloat16 on a CPU with AMX or AVX-512 bf16 (the C library built,
+``rowops``), one or two compute threads (with two, a helper thread in the C library takes
+half of each call's outputs; with more, oneDNN's matmul spreads over all of them), inputs
+multiples of 32, outputs multiples of 32 (AMX) or 16 (AVX-512), the packed weights in the
+layout checked by :class:`Plan`. ``ENABLED = False`` (or ``TENSORSTREAM_ROWOPS=0``) keeps
+oneDNN.
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ __all__ = [
     "head_layout",
     "matmul",
     "pieces",
+    "plain",
     "plan",
     "segmented",
     "splits_rows",
@@ -76,7 +87,8 @@ MAX_ROWS = 32
 #: The most compute threads it runs on (the caller and one helper thread); with more,
 #: oneDNN's matmul spreads over all of them instead.
 MAX_THREADS = 2
-#: Weights are packed in blocks of 32 outputs x 32 inputs (2 KiB of bfloat16).
+#: Inputs per block of oneDNN's packed layouts the kernel reads (outputs per block: the
+#: library's ``matmul_block``, 32 on AMX and 64 on AVX-512 bf16).
 _BLOCK = 32
 
 
@@ -94,8 +106,9 @@ class Layout:
     multiplied as: each prompt chunk of more than :data:`MAX_ROWS` rows in a call of its
     own (its length depends on the request alone: chunks start at fixed multiples), every
     other row (decode rows, short chunks, the LM head's rows) through this kernel, whose
-    every row gets the 3-32-row bits whatever their number; layers not yet packed use
-    torch's matmul on pieces of at most :data:`MAX_ROWS` rows (the same bits).
+    every row gets its bits whatever their number; layers not yet packed use torch's
+    matmul on pieces of at most :data:`MAX_ROWS` rows (on AMX the same bits) or
+    :func:`plain` (AVX-512 bf16: the kernel's sums from the row-major weights).
 
     Where the kernel does not run (other CPUs, other dtypes, more threads), the same split
     applies with the CPU's matmul over pieces of at most :data:`MAX_ROWS` rows for the
@@ -184,7 +197,7 @@ def pieces(
     """``matmul`` over ``x`` in calls of at most :data:`MAX_ROWS` rows, each padded as the
     engine pads small batches (``llama.padded_rows``; ``packed``: ``matmul`` is oneDNN's
     packed one, else torch's): every row gets the bits of the 32-row calls (for bf16 on
-    AMX, those of this kernel)."""
+    AMX, those of the kernel)."""
     from tensorstream.engine.models.llama import _pad_rows, padded_rows
 
     if not x.shape[0]:
@@ -210,8 +223,8 @@ def splits_rows(dtype: torch.dtype, threads: int) -> bool:
     call above :data:`MAX_ROWS` rows otherwise than :func:`pieces` of at most that many
     (then engine passes split their rows, :class:`Layout`). Probed once per dtype and
     thread count on the shapes ``llama.padded_rows`` probes, with torch's ``linear`` and
-    oneDNN's packed matmul where the engine packs ``dtype``; the AMX kernel's bf16 passes
-    split whatever this says.
+    oneDNN's packed matmul where the engine packs ``dtype``; where the kernel runs, bf16
+    passes split whatever this says.
 
     Measured: oneDNN's packed bf16 on AMX Xeons rounds rows from 33 on otherwise (the
     reason for :class:`Layout`); on a 2-core AVX-512 AMD EPYC (Zen 4), bf16 and float32 on
@@ -253,7 +266,8 @@ def threads() -> int:
 
 
 def active() -> bool:
-    """Whether the kernel may run in this process now (library, AMX, one or two threads)."""
+    """Whether the kernel may run in this process now (library, AMX or AVX-512 bf16, one
+    or two threads)."""
     if not ENABLED or not threads() or not rowops.active():
         return False
     lib = rowops.library()
@@ -263,8 +277,9 @@ def active() -> bool:
 class Plan:
     """A :class:`FusedLinear`'s packed weights as the kernel reads them, checked.
 
-    oneDNN chooses its packed layout per CPU and shape; the kernel reads one
-    (``AB16b32a2b``: per 32 outputs, per 32 inputs, 16 input pairs x 32 outputs x 2).
+    oneDNN chooses its packed layout per CPU and shape; the kernel reads one per build:
+    per B outputs, the input pairs in order, B outputs x 2 each (B = the library's
+    ``matmul_block``: ``AB16b32a2b`` on AMX, ``AB16b64a2b`` with AVX-512 bf16 alone).
     :meth:`build` confirms it on three blocks against the layers' own weights (and that
     nothing is padded) before any call, and answers None for anything else.
     """
@@ -278,9 +293,13 @@ class Plan:
 
     @classmethod
     def build(cls, fused: FusedLinear) -> Plan | None:
+        lib = rowops.library()
+        width = lib.matmul_block if lib is not None else 0
         weights = [layer.weight for layer in fused.layers]
         outputs, inputs = sum(fused.sizes), weights[0].shape[1]
-        if outputs % _BLOCK or inputs % _BLOCK:
+        # AVX-512 bf16: oneDNN pads the last block to 64 outputs; the kernel skips the pad
+        granule = 16 if width == 64 else width
+        if not width or outputs % granule or inputs % _BLOCK:
             return None
         if any(w.dtype != torch.bfloat16 or w.device.type != "cpu" for w in weights):
             return None
@@ -293,29 +312,30 @@ class Plan:
             nbytes = torch.ops.mkldnn._nbytes(packed)
         except (AttributeError, RuntimeError):
             return None
-        if not pointer or nbytes != outputs * inputs * 2:
+        row_blocks, column_blocks = -(-outputs // width), inputs // _BLOCK
+        if not pointer or nbytes != row_blocks * width * inputs * 2:
             return None
-        raw = (ctypes.c_uint16 * (outputs * inputs)).from_address(pointer)
+        raw = (ctypes.c_uint16 * (nbytes // 2)).from_address(pointer)
         stored = torch.frombuffer(raw, dtype=torch.bfloat16)
-        row_blocks, column_blocks = outputs // _BLOCK, inputs // _BLOCK
+        size = width * _BLOCK  # elements of one block: width outputs x 32 inputs
         for o, i in {(0, 0), (row_blocks // 2, column_blocks // 2),
                      (row_blocks - 1, column_blocks - 1)}:  # fmt: skip
-            rows = _rows(weights, o * _BLOCK)
-            block = rows[:, i * _BLOCK : (i + 1) * _BLOCK].reshape(_BLOCK, _BLOCK // 2, 2)
-            expected = block.permute(1, 0, 2).reshape(-1)
-            start = (o * column_blocks + i) * _BLOCK * _BLOCK
-            if not torch.equal(stored[start : start + _BLOCK * _BLOCK], expected):
+            rows = _rows(weights, o * width, width)  # fewer in a padded last block
+            block = rows[:, i * _BLOCK : (i + 1) * _BLOCK].reshape(-1, _BLOCK // 2, 2)
+            start = (o * column_blocks + i) * size
+            held = stored[start : start + size].view(_BLOCK // 2, width, 2)[:, : rows.shape[0]]
+            if not torch.equal(held, block.permute(1, 0, 2)):
                 return None
         return cls(pointer, outputs, inputs, bias)
 
 
-def _rows(weights: list[torch.Tensor], first: int) -> torch.Tensor:
-    """Rows ``first .. first + 32`` of the layers' weights stacked (what oneDNN packed)."""
+def _rows(weights: list[torch.Tensor], first: int, count: int) -> torch.Tensor:
+    """Rows ``first .. first + count`` of the layers' weights stacked (what oneDNN packed)."""
     parts, start = [], 0
     for weight in weights:
         stop = start + weight.shape[0]
-        if stop > first and start < first + _BLOCK:
-            parts.append(weight[max(first - start, 0) : first + _BLOCK - start])
+        if stop > first and start < first + count:
+            parts.append(weight[max(first - start, 0) : first + count - start])
         start = stop
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
@@ -351,6 +371,29 @@ def matmul(x: torch.Tensor, fused: FusedLinear, any_rows: bool = False) -> torch
         layers.pointer, layers.bias_pointer, out.data_ptr(), layers.outputs, threads(),
     )  # fmt: skip
     return out
+
+
+def plain(x: torch.Tensor, layer: torch.nn.Linear) -> torch.Tensor | None:
+    """``layer``'s outputs for rows ``x`` from its row-major weight, with the bits the
+    kernel gives once the layer is packed, or None where that takes nothing of its own (on
+    AMX torch's matmul already gives them) or does not apply: layers are packed over the
+    first passes, and a request must not get other bits in them than later."""
+    weight, bias = layer.weight, layer.bias
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or not active():
+        return None
+    if x.stride(-1) != 1 or weight.stride(-1) != 1 or weight.shape[0] % 16:
+        return None
+    if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+        return None
+    lib = rowops.library()
+    assert lib is not None  # active() said so
+    rows, (outputs, inputs) = x.shape[0], weight.shape
+    out = torch.empty(rows, outputs, dtype=x.dtype)
+    failed = lib.plain_matmul(
+        x.data_ptr(), rows, x.stride(0), inputs, outputs, weight.data_ptr(), weight.stride(0),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), outputs,
+    )  # fmt: skip
+    return None if failed else out
 
 
 _POINTERS = ("inorm", "postnorm", "q_norm", "k_norm", "qkv", "qkv_bias", "o", "o_bias",
