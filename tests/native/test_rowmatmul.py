@@ -206,14 +206,63 @@ def test_a_layout_it_does_not_know_is_refused(kernel):
 
 
 def test_two_threads_split_the_outputs_and_keep_the_bits(kernel):
+    """Half the outputs on torch's OpenMP team, and on the library's own helper thread
+    (where a process has no OpenMP runtime): the bits of one thread either way."""
     fused = _fused([3072], 576)
     x = torch.randn(16, 576).to(torch.bfloat16)
     alone = rowmatmul.matmul(x, fused)
+    lib = rowops.library()
     torch.set_num_threads(2)
     assert rowmatmul.threads() == 2
-    for _ in range(3):  # the helper thread woken from sleep and while it spins
-        assert torch.equal(rowmatmul.matmul(x, fused), alone)
+    try:
+        for second in (0, 2):
+            assert lib.second_thread(second) == (second or 1)
+            for _ in range(3):  # the second thread woken from sleep and while it spins
+                assert torch.equal(rowmatmul.matmul(x, fused), alone)
+    finally:
+        lib.second_thread(0)
     assert torch.equal(alone, _expected(x, fused))
+
+
+def test_two_thread_calls_run_on_torchs_openmp_team(kernel):
+    """A helper thread of our own beside torch's OpenMP worker shares the second core
+    with it (measured slower, rowmatmul.h): where torch runs on OpenMP, so does the
+    kernel's second half."""
+    assert "OpenMP" in torch.__config__.parallel_info()  # the CPU wheel the suite installs
+    assert rowops.library().second_thread(0) == 1
+
+
+_FORKED_CHILD = """
+import os, sys, torch
+from tensorstream.engine.models import rowmatmul, rowops
+from tensorstream.engine.models.packing import FusedLinear
+torch.set_num_threads(2)
+layer = torch.nn.Linear(576, 3072, bias=False, dtype=torch.bfloat16).requires_grad_(False)
+fused = FusedLinear.build([layer])
+x = torch.randn(16, 576).to(torch.bfloat16)
+before = rowmatmul.matmul(x, fused)  # torch's OpenMP team ran it here
+assert rowops.library().second_thread(0) == 1
+pid = os.fork()
+if pid == 0:
+    ok = rowops.library().second_thread(0) == 2  # the own helper: libgomp's team is gone
+    after = rowmatmul.matmul(x, fused)
+    # compared without a torch operator: those hang in a child after OpenMP ran
+    same = bytes(after.view(torch.int16).numpy()) == bytes(before.view(torch.int16).numpy())
+    os._exit(0 if ok and same else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_a_forked_child_runs_two_threads_on_its_own_helper(kernel):
+    """libgomp's team is not in a forked child, and waits for it forever: there the
+    second half goes to the library's own helper thread, with the same bits."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FORKED_CHILD], timeout=120, check=False,
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_more_compute_threads_keep_onednn(kernel):

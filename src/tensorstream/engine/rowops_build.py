@@ -39,7 +39,7 @@ __all__ = ["ENV", "SUFFIXES", "library", "start_build"]
 logger = logging.getLogger("tensorstream.engine")
 
 ENV = "TENSORSTREAM_ROWOPS"
-_ABI = 6
+_ABI = 7
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-fno-math-errno")
 #: dtype name -> the C functions' suffix.
 SUFFIXES = {"bfloat16": "bf16", "float32": "float"}
@@ -87,6 +87,12 @@ class _Library:
         self.matmul.argtypes, self.matmul.restype = _MATMUL, ctypes.c_int
         self.cdll.rowmatmul_ready.restype = ctypes.c_int
         self.cdll.rowmatmul_block.restype = ctypes.c_int
+        self.cdll.rowmatmul_second_thread.argtypes = [ctypes.c_int]
+        self.cdll.rowmatmul_second_thread.restype = ctypes.c_int
+        #: ``second_thread(0)``: where two-thread calls send half their outputs, 1 torch's
+        #: OpenMP team, 2 the library's own helper thread (0: no matmul built);
+        #: ``second_thread(2)`` forces the helper (tests), ``(0)`` looks again.
+        self.second_thread = self.cdll.rowmatmul_second_thread
         self.plain_matmul = self.cdll.rowmatmul_plain_bf16
         self.plain_matmul.argtypes, self.plain_matmul.restype = _PLAIN_MATMUL, ctypes.c_int
         #: Outputs per block of the packed layout the matmul reads (0: no matmul built).
@@ -201,7 +207,7 @@ def _build(sources: dict[str, bytes]) -> Path:
             (Path(work) / name).write_bytes(data)
         out = Path(work) / "rowops.so"
         done = subprocess.run(
-            [compiler, *_FLAGS, "-o", str(out), str(Path(work) / "rowops.c"), "-lm"],
+            [compiler, *_FLAGS, "-o", str(out), str(Path(work) / "rowops.c"), "-lm", "-ldl"],
             capture_output=True, text=True, timeout=300, check=False,
         )  # fmt: skip
         if done.returncode != 0:

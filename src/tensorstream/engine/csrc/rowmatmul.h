@@ -20,8 +20,9 @@
  *
  * Both: every output is one float32 sum over the input pairs in their order, whatever the
  * number of rows (a row gets the same bits alone or in a batch); rowmatmul.py says where
- * that equals oneDNN's own bits (measured). With two threads a helper thread takes the
- * upper half of each call's outputs.
+ * that equals oneDNN's own bits (measured). With two threads the upper half of each
+ * call's outputs goes to the second thread of torch's own OpenMP team (or, where the
+ * process has no OpenMP runtime, to a helper thread of this library's).
  *
  * Shapes: inputs multiples of 32; outputs multiples of 32 on AMX, of 16 on AVX-512 bf16
  * (where oneDNN pads the last block to 64 outputs).
@@ -29,6 +30,7 @@
 
 #if defined(__AVX512F__) && defined(__linux__) && \
     ((defined(__AMX_TILE__) && defined(__AMX_BF16__)) || defined(__AVX512BF16__))
+#include <dlfcn.h>
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <pthread.h>
@@ -249,9 +251,60 @@ int rowmatmul_plain_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64
 #endif
 
 /* --- a second thread for two-thread processes ----------------------------------- *
- * One helper thread takes the upper half of each call's outputs (the same sums: the
- * bits do not depend on the split). Between calls it spins briefly (a decode step's
- * matmuls come tens of microseconds apart), then sleeps on a futex until woken. */
+ * The upper half of each call's outputs goes to a second thread (the same sums: the bits
+ * do not depend on the split).
+ *
+ * First choice: torch's OpenMP team, through the runtime already in the process (torch's
+ * libgomp, or libiomp's GOMP entry points). A thread of our own beside it was measured
+ * to lose: after any torch operator that ran on two threads, torch's OpenMP worker spins
+ * for milliseconds on the second core, and a helper of ours then shares that core with
+ * it (Zen 4, SmolLM2 bf16, two threads: a 16-row decode step 24.0 ms with the own helper,
+ * 19.1 ms on torch's team; one row 10.5 against 7.8 ms; the prefill of 16 prompts 159
+ * against 87 ms). Sharing torch's team, the one thread that spins is the one that
+ * computes. */
+
+typedef void (*gomp_parallel_fn)(void (*)(void *), void *, unsigned, unsigned);
+static gomp_parallel_fn omp_parallel;
+static int (*omp_thread)(void), (*omp_team)(void);
+static int omp_state; /* 0 not looked up, 1 found, -1 none (or switched off) */
+static int omp_forked; /* in a forked child: libgomp's team is not there, and waits for it */
+
+static void omp_forget(void) {
+    omp_forked = 1;
+    omp_state = -1;
+}
+
+static int omp_found(void) {
+    int state = __atomic_load_n(&omp_state, __ATOMIC_ACQUIRE);
+    if (state) return state > 0;
+    /* torch loads its OpenMP runtime into the global scope (libtorch_global_deps) */
+    omp_parallel = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
+    *(void **)&omp_thread = dlsym(RTLD_DEFAULT, "omp_get_thread_num");
+    *(void **)&omp_team = dlsym(RTLD_DEFAULT, "omp_get_num_threads");
+    static int fork_handler;
+    if (!fork_handler) fork_handler = pthread_atfork(NULL, NULL, omp_forget) == 0 ? 1 : -1;
+    state = omp_parallel && omp_thread && omp_team && fork_handler > 0 && !omp_forked ? 1 : -1;
+    __atomic_store_n(&omp_state, state, __ATOMIC_RELEASE);
+    return state > 0;
+}
+
+/* Which second thread two-thread calls use: 1 torch's OpenMP team, 2 a helper thread of
+ * this library's (also in a forked child, where a torch operator on two threads hangs).
+ * use: 0 look (OpenMP where found), 2 the own helper (tests compare). */
+int rowmatmul_second_thread(int use) {
+    if (use == 2) __atomic_store_n(&omp_state, -1, __ATOMIC_RELEASE);
+    if (use == 0 && __atomic_load_n(&omp_state, __ATOMIC_ACQUIRE) < 0)
+        __atomic_store_n(&omp_state, 0, __ATOMIC_RELEASE);
+    return omp_found() ? 1 : 2;
+}
+
+static void omp_halves(void *data) {
+    const matmul_job *halves = data; /* a team of one (nested, or limited) runs both */
+    for (int i = omp_thread(); i < 2; i += omp_team()) matmul_range(&halves[i]);
+}
+
+/* Without OpenMP: one helper thread of our own. Between calls it spins briefly (a decode
+ * step's matmuls come tens of microseconds apart), then sleeps on a futex until woken. */
 
 #define HELPER_SPINS 4096 /* pauses before sleeping, ~0.2 ms */
 
@@ -316,8 +369,19 @@ static int helper_start(void) {
 int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
                    const bf16 *packed, const bf16 *bias, bf16 *y, int64_t ldy, int64_t threads) {
     matmul_job job = {x, packed, bias, y, m, ldx, k, ldy, 0, n};
+    if (threads < 2 || n < 256) {
+        matmul_range(&job);
+        return 0;
+    }
+    const int64_t split = n / 2 / 64 * 64; /* whole 64-output blocks (pairs on AMX) per side */
+    if (omp_found()) {
+        matmul_job halves[2] = {job, job};
+        halves[0].n_end = halves[1].n_begin = split;
+        omp_parallel(omp_halves, halves, 2, 0);
+        return 0;
+    }
     /* the lock: one caller at a time hands work to the helper; others run alone */
-    if (threads < 2 || n < 256 || pthread_mutex_trylock(&helper_lock) != 0) {
+    if (pthread_mutex_trylock(&helper_lock) != 0) {
         matmul_range(&job);
         return 0;
     }
@@ -326,7 +390,6 @@ int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
         matmul_range(&job);
         return 0;
     }
-    const int64_t split = n / 2 / 64 * 64; /* whole 64-output blocks (pairs on AMX) per side */
     helper_job = job;
     helper_job.n_begin = split;
     job.n_end = split;
@@ -393,6 +456,11 @@ int decode_stack_bf16(bf16 *x, int64_t rows, int64_t hidden, int64_t layers,
 int rowmatmul_ready(void) { return 0; }
 
 int rowmatmul_block(void) { return 0; }
+
+int rowmatmul_second_thread(int use) {
+    (void)use;
+    return 0;
+}
 
 int rowmatmul_bf16(const bf16 *x, int64_t m, int64_t ldx, int64_t k, int64_t n,
                    const bf16 *packed, const bf16 *bias, bf16 *y, int64_t ldy, int64_t threads) {

@@ -21,6 +21,7 @@
  * compiler lowers to whatever this CPU has (AVX-512, AVX2, NEON...).
  */
 
+#define _GNU_SOURCE /* RTLD_DEFAULT (rowmatmul.h) */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -221,4 +222,4 @@ static inline vf vid_f32(vf f) { return f; }
 #include "rowmatmul.h"
 
 /* The version the Python side checks before binding (bump with any signature change). */
-int rowops_abi(void) { return 6; }
+int rowops_abi(void) { return 7; }
