@@ -240,8 +240,14 @@ torch.set_num_threads(2)
 layer = torch.nn.Linear(576, 3072, bias=False, dtype=torch.bfloat16).requires_grad_(False)
 fused = FusedLinear.build([layer])
 x = torch.randn(16, 576).to(torch.bfloat16)
-before = rowmatmul.matmul(x, fused)  # torch's OpenMP team ran it here
-assert rowops.library().second_thread(0) == 1
+if sys.argv[1] == "kernel first":
+    before = rowmatmul.matmul(x, fused)  # torch's OpenMP team ran it here
+    assert rowops.library().second_thread(0) == 1
+else:  # only torch's operators on two threads before the fork, the kernel not yet
+    torch.randn(1 << 22).sum()
+    torch.set_num_threads(1)
+    before = rowmatmul.matmul(x, fused)
+    torch.set_num_threads(2)
 pid = os.fork()
 if pid == 0:
     ok = rowops.library().second_thread(0) == 2  # the own helper: libgomp's team is gone
@@ -254,14 +260,16 @@ sys.exit(os.waitstatus_to_exitcode(status))
 """
 
 
-def test_a_forked_child_runs_two_threads_on_its_own_helper(kernel):
+@pytest.mark.parametrize("before_fork", ["kernel first", "torch first"])
+def test_a_forked_child_runs_two_threads_on_its_own_helper(kernel, before_fork):
     """libgomp's team is not in a forked child, and waits for it forever: there the
-    second half goes to the library's own helper thread, with the same bits."""
+    second half goes to the library's own helper thread, with the same bits, also where
+    the parent had not run the kernel on two threads yet."""
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", _FORKED_CHILD], timeout=120, check=False,
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", _FORKED_CHILD, before_fork], timeout=120,
+                          check=False, capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
 
 

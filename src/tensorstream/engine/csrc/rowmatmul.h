@@ -274,6 +274,11 @@ static void omp_forget(void) {
     omp_state = -1;
 }
 
+/* At load, not at first use: a child forked before the first call must not find it. */
+__attribute__((constructor)) static void omp_watch_forks(void) {
+    if (pthread_atfork(NULL, NULL, omp_forget) != 0) omp_forked = 1; /* unwatched: helper */
+}
+
 static int omp_found(void) {
     int state = __atomic_load_n(&omp_state, __ATOMIC_ACQUIRE);
     if (state) return state > 0;
@@ -281,9 +286,7 @@ static int omp_found(void) {
     omp_parallel = (gomp_parallel_fn)dlsym(RTLD_DEFAULT, "GOMP_parallel");
     *(void **)&omp_thread = dlsym(RTLD_DEFAULT, "omp_get_thread_num");
     *(void **)&omp_team = dlsym(RTLD_DEFAULT, "omp_get_num_threads");
-    static int fork_handler;
-    if (!fork_handler) fork_handler = pthread_atfork(NULL, NULL, omp_forget) == 0 ? 1 : -1;
-    state = omp_parallel && omp_thread && omp_team && fork_handler > 0 && !omp_forked ? 1 : -1;
+    state = omp_parallel && omp_thread && omp_team && !omp_forked ? 1 : -1;
     __atomic_store_n(&omp_state, state, __ATOMIC_RELEASE);
     return state > 0;
 }
