@@ -159,6 +159,25 @@ def test_unpacked_weights_get_the_packed_bits(kernel, outputs, inputs):
     assert rowmatmul.plain(x.float(), layer) is None
 
 
+def test_unpacked_weights_with_inputs_past_whole_blocks(kernel):
+    """``plain`` also takes inputs that are not a multiple of 32 (a last, partial block of
+    pairs) and outputs that fill no whole 64: its sums are still the kernel's definition,
+    for rows in one tile and for the rows that pack a scratch block first."""
+    generator = torch.Generator().manual_seed(72)
+    layer = nn.Linear(72, 48, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 72, generator=generator))
+        layer.bias.copy_(torch.randn(48, generator=generator))
+    x = torch.randn(20, 72, generator=generator).to(torch.bfloat16)
+    if _amx_kernel():
+        assert rowmatmul.plain(x, layer) is None
+        return
+    for rows in (1, 5, 8, 9, 20):
+        got = rowmatmul.plain(x[:rows], layer)
+        assert got is not None
+        assert torch.equal(got, _pair_sums(x[:rows], layer.weight, layer.bias)), rows
+
+
 def test_joined_layers_and_biases_equal_onednn(kernel):
     fused = _fused([576, 192, 192], 576, bias=True)  # q, k, v with Qwen2's biases
     x = torch.randn(9, 576).to(torch.bfloat16)
