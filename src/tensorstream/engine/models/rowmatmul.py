@@ -34,11 +34,11 @@ and a request's bits never depend on what shares its step; outside one (a plain
 
 Where it runs: bfloat16 on a CPU with AMX or AVX-512 bf16 (the C library built,
 ``rowops``), one or two compute threads (with two, the second thread of torch's OpenMP
-team takes half of each call's outputs, or a helper thread of the C library's in a process
-without OpenMP or in a forked child; with more, oneDNN's matmul spreads over all of them), inputs
-multiples of 32, outputs multiples of 32 (AMX) or 16 (AVX-512), the packed weights in the
-layout checked by :class:`Plan`. ``ENABLED = False`` (or ``TENSORSTREAM_ROWOPS=0``) keeps
-oneDNN.
+team takes half of each call's outputs, or a helper thread of the C library's in a
+process without OpenMP or in a forked child; with more, oneDNN's matmul spreads over all
+of them), inputs multiples of 32, outputs multiples of 32 (AMX) or 16 (AVX-512), the
+packed weights in the layout checked by :class:`Plan`. ``ENABLED = False`` (or
+``TENSORSTREAM_ROWOPS=0``) keeps oneDNN.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ ENABLED = True
 #: False runs decode steps through the Python lean pass even where :class:`DecodeStack`
 #: could (benchmarks alternate the two; tests compare them).
 STACK = True
-#: The most rows this kernel takes: up to here its bits are oneDNN's (measured).
+#: The most rows this kernel takes (on AMX, up to here its bits are oneDNN's: measured).
 MAX_ROWS = 32
 #: The most compute threads it runs on (the caller and one more); with more,
 #: oneDNN's matmul spreads over all of them instead.
