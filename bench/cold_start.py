@@ -289,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     # The local cases run before anything is uploaded to S3. After an upload (1.6 GB into
     # SeaweedFS, then os.sync), local processes of the 1.5 GiB model ran their first forward
     # pass in 0.35-0.71 s for minutes, server idle or stopped, against 0.27-0.32 s without
-    # one (AMX host); their cause is this VM's, not the loader's.
+    # one (AMX host). The cause was not found; the same code, and stop 31's, give 0.27-0.32 s
+    # in processes started by hand.
     for name, model_dir in models.items():
         for case, (kind, path) in {
             "tensorstream-local": ("tensorstream", str(tensorized[name])),

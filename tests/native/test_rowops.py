@@ -204,7 +204,7 @@ def test_engine_with_fused_operators_follows_torch_operators(smollm2_dir, dtype,
             reference = ref_logprobs[same]
             assert tokens[same] in reference, (same, tokens[same], reference)
             assert reference[ref_tokens[same]] - reference[tokens[same]] <= tie
-    # bf16 logits of SmolLM2's size (16-32) sit on a 0.125 grid, so top tokens tie exactly
+    # bf16 logits of SmolLM2's magnitude (16-32) sit on a 0.125 grid, so top tokens tie exactly
     # now and then: on an AMX host two of the four prompts meet such a tie in one run or the
     # other (a three-way tie in the fused run, a two-way one in torch's).
     assert agreeing >= (len(prompts) - 1 if dtype == "float32" else len(prompts) // 2)
