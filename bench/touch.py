@@ -44,15 +44,34 @@ def _word_sum(t: torch.Tensor) -> tuple[int, int, bool]:
     flat = t.detach().reshape(-1)
     raw = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
     n = raw.numel()
-    copied = False
-    if n % 8 or raw.data_ptr() % 8:
-        # Pad to whole words in an aligned copy so the sum does not depend on where the
-        # loader placed the tensor. Rare: every tensor here is a multiple of 64 elements.
-        padded = torch.zeros((n + 7) // 8 * 8, dtype=torch.uint8)
-        padded[:n] = raw
-        raw, copied = padded, True
-    total = int(raw.view(torch.int64).sum()) if raw.numel() else 0
-    return total & (2**64 - 1), n, copied
+    if not n % 8 and not raw.data_ptr() % 8:
+        return int(raw.view(torch.int64).sum()) & (2**64 - 1), n, False
+    # Words counted from the tensor's first byte, zero-padded at its end, so the sum does
+    # not depend on where the loader placed it: through a small scratch buffer that stays
+    # in cache, a piece at a time. (A whole padded copy into new memory cost a tensorizer
+    # file's 49 views at 2-byte offsets 0.14 s of fresh-page faults per GB that no user of
+    # those views pays: touch 0.25 s against 0.10 for tensorizer's own tensors.)
+    scratch = _scratch()
+    total = 0
+    for start in range(0, n, scratch.numel()):
+        piece = raw[start : start + scratch.numel()]
+        words = -(-piece.numel() // 8) * 8
+        scratch[piece.numel() : words] = 0
+        scratch[: piece.numel()].copy_(piece)
+        total += int(scratch[:words].view(torch.int64).sum())
+    return total & (2**64 - 1), n, True
+
+
+_SCRATCH: list[torch.Tensor] = []
+
+
+def _scratch() -> torch.Tensor:
+    """1 MiB of word-aligned bytes, made once per process (fits a core's L2)."""
+    import torch
+
+    if not _SCRATCH:
+        _SCRATCH.append(torch.zeros(2**20, dtype=torch.uint8))
+    return _SCRATCH[0]
 
 
 def touch_all(tensors: Iterable[tuple[str, torch.Tensor]]) -> TouchResult:

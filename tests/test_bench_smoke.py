@@ -57,6 +57,33 @@ def test_state_dict_is_deterministic_and_checksum_sees_every_byte() -> None:
     assert after.checksum != before.checksum
 
 
+def test_checksum_does_not_depend_on_where_a_tensor_starts() -> None:
+    """The same bytes at any address (views of tensorizer's file start at 2-byte offsets)
+    give the words of an aligned, zero-padded copy, also across the scratch buffer's
+    pieces; a changed byte in a later piece changes the sum."""
+    import torch
+    from bench.touch import _word_sum
+
+    def padded_copy_sum(raw: torch.Tensor) -> int:
+        padded = torch.zeros(-(-raw.numel() // 8) * 8, dtype=torch.uint8)
+        padded[: raw.numel()] = raw
+        return int(padded.view(torch.int64).sum()) & (2**64 - 1)
+
+    g = torch.Generator().manual_seed(5)
+    backing = torch.randint(0, 256, (3 * 2**20 + 64,), dtype=torch.uint8, generator=g)
+    for offset in (0, 1, 2, 6, 8):
+        for n in (1, 7, 8, 13, 2**20, 2**20 + 6, 3 * 2**20 + 3):
+            raw = backing[offset : offset + n]
+            total, nbytes, copied = _word_sum(raw)
+            assert (total, nbytes) == (padded_copy_sum(raw), n), (offset, n)
+            assert copied == bool(offset % 8 or n % 8)
+    shifted = torch.cat([torch.zeros(2, dtype=torch.uint8), backing[: 2**21]])[2:]
+    assert shifted.data_ptr() % 8
+    before = _word_sum(shifted)[0]
+    shifted[2**20 + 5] += 1
+    assert _word_sum(shifted)[0] != before
+
+
 def test_rows_are_well_formed(results: tuple[dict, Path]) -> None:
     data, _ = results
     rows = data["rows"]
