@@ -286,11 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:16} {case:20} median {statistics.median(times):6.2f} s "
               f"(min {min(times):.2f}, max {max(times):.2f})", flush=True)  # fmt: skip
 
-    # The local cases run before anything is uploaded to S3. After an upload (1.6 GB into
-    # SeaweedFS, then os.sync), local processes of the 1.5 GiB model ran their first forward
-    # pass in 0.35-0.71 s for minutes, server idle or stopped, against 0.27-0.32 s without
-    # one (AMX host). The cause was not found; the same code, and stop 31's, give 0.27-0.32 s
-    # in processes started by hand.
+    # The local cases run before anything is uploaded to S3. With the uploads first, the
+    # 1.5 GiB model's first forward pass took 0.49-0.60 s here, 0.26-0.32 s with this order
+    # (AMX host, two runs each); by hand, 0.35-0.71 s in the minutes after a 1.6 GB upload
+    # (server idle or stopped) against 0.28-0.37 s without one. The cause was not found.
     for name, model_dir in models.items():
         for case, (kind, path) in {
             "tensorstream-local": ("tensorstream", str(tensorized[name])),
