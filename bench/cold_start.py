@@ -288,8 +288,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # The local cases run before anything is uploaded to S3. With the uploads first, the
     # 1.5 GiB model's first forward pass took 0.49-0.60 s here, 0.26-0.32 s with this order
-    # (AMX host, two runs each); by hand, 0.35-0.71 s in the minutes after a 1.6 GB upload
-    # (server idle or stopped) against 0.28-0.37 s without one. The cause was not found.
+    # (AMX host, two runs before, three after); by hand, 0.35-0.71 s in the minutes after a
+    # 1.6 GB upload (server idle or stopped) against 0.28-0.37 s without one. The cause was
+    # not found.
     for name, model_dir in models.items():
         for case, (kind, path) in {
             "tensorstream-local": ("tensorstream", str(tensorized[name])),
