@@ -15,6 +15,7 @@ same bytes get the same checksum.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -62,16 +63,12 @@ def _word_sum(t: torch.Tensor) -> tuple[int, int, bool]:
     return total & (2**64 - 1), n, True
 
 
-_SCRATCH: list[torch.Tensor] = []
-
-
+@functools.cache
 def _scratch() -> torch.Tensor:
     """1 MiB of word-aligned bytes, made once per process (fits a core's L2)."""
     import torch
 
-    if not _SCRATCH:
-        _SCRATCH.append(torch.zeros(2**20, dtype=torch.uint8))
-    return _SCRATCH[0]
+    return torch.zeros(2**20, dtype=torch.uint8)
 
 
 def touch_all(tensors: Iterable[tuple[str, torch.Tensor]]) -> TouchResult:
